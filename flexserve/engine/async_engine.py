@@ -1,0 +1,303 @@
+"""`AsyncLLMEngine`: the bridge between asyncio request handlers and the synchronous `LLMEngine`.
+
+The engine loop runs in one dedicated thread, so device work never blocks the event loop. Handlers
+talk to it through a thread-safe command queue (add, abort); the thread hands each request's
+outputs back to the handler's own event loop with `call_soon_threadsafe` into an asyncio queue.
+All engine state, the per-request timing included, is touched by the engine thread alone.
+
+If the engine loop raises, every in-flight request fails with `EngineDeadError` and the engine
+reports itself unhealthy instead of leaving callers hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from flexserve.engine.llm_engine import LLMEngine, ModelInfo, PreparedRequest
+from flexserve.engine.serving_stats import (
+    FinishedRequestStats,
+    IterationStats,
+    LoggingStatLogger,
+    RequestTracker,
+    StatLogger,
+)
+from flexserve.outputs import RequestOutput
+from flexserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAKEUP_S = 1.0  # an idle engine thread still wakes this often so periodic logs flush
+_ABORTED = object()  # queue item: the request was aborted from elsewhere; the stream just ends
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (crashed or shut down); no request can be served."""
+
+
+class AsyncLLMEngine:
+    """Serves an `LLMEngine` to asyncio code: `prepare`, `generate`, `abort`.
+
+    One engine thread, any number of event loops: each request remembers the loop it came from.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        log_stats: bool | None = None,
+        stats_log_interval_s: float = 5.0,
+    ) -> None:
+        self.engine = engine
+        if log_stats is None:
+            log_stats = not getattr(engine.config, "disable_log_stats", False)
+        self._stat_loggers: list[StatLogger] = []
+        if log_stats:
+            self._stat_loggers.append(LoggingStatLogger(stats_log_interval_s))
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders "is the engine dead?" against enqueuing an add
+        self._thread: threading.Thread | None = None
+        self._dead_error: EngineDeadError | None = None
+        self._ids = itertools.count()
+        # Engine-thread state: parent request id -> its tracker (queue, loop, timings).
+        self._trackers: dict[str, RequestTracker] = {}
+        self._num_preemptions_seen = 0
+        self._pending_finished: list[FinishedRequestStats] = []  # aborts, reported next pass
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+        """Load the model (in the calling thread) and wrap it; call `start()` to serve."""
+        return cls(LLMEngine.from_config(config), **kwargs)
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def info(self) -> ModelInfo:
+        return self.engine.info
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.engine.tokenizer
+
+    @property
+    def input_processor(self) -> Any:
+        return self.engine.input_processor
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        """The engine thread is alive and has not failed."""
+        return self._dead_error is None and self.is_running
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine stopped, once it has."""
+        return self._dead_error
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Receive an `IterationStats` after every pass of the engine loop (on the engine thread)."""
+        self._stat_loggers.append(stat_logger)
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread; a no-op when it is already running."""
+        with self._lock:
+            if self._dead_error is not None:
+                raise self._dead_error
+            if self.is_running:
+                return
+            self._thread = threading.Thread(target=self._run, name="flexserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; in-flight requests fail with `EngineDeadError`."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return
+        self._commands.put(("stop", None))
+        thread.join(timeout)
+
+    # ------------------------------------------------------------------------------ requests
+    def next_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def prepare(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        prompt_text: str | None = None,
+    ) -> PreparedRequest:
+        """Tokenize and validate a prompt off the engine thread; raises ValueError on bad input."""
+        return self.engine.process_inputs(request_id, prompt, params, prompt_text)
+
+    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        """Enqueue a prepared request and yield its cumulative outputs until it finishes.
+
+        Outputs are cumulative, so when the consumer falls behind only the newest is yielded.
+        Closing or cancelling the iterator before the final output aborts the request at once
+        (its KV blocks are freed on the engine thread's next pass). An abort from elsewhere ends
+        the iteration without a final output. Raises `EngineDeadError` if the engine fails.
+        """
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        tracker = RequestTracker(prepared, loop, outputs)
+        with self._lock:
+            if self._dead_error is not None:
+                raise self._dead_error
+            if not self.is_running:
+                raise EngineDeadError("the engine is not running; call start() first")
+            self._commands.put(("add", tracker))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                while (
+                    isinstance(item, RequestOutput)
+                    and not item.finished
+                    and not outputs.empty()
+                ):
+                    item = outputs.get_nowait()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort on a dead engine
+                    raise item
+                if item is _ABORTED:
+                    finished = True
+                    return
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(prepared.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request by id; thread-safe, and a no-op for unknown or finished ids."""
+        if self._dead_error is None:
+            self._commands.put(("abort", request_id))
+
+    # ------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._process_commands(block):
+                    break
+                stats = self._new_stats()
+                if self.engine.has_unfinished_requests():
+                    self._step(stats)
+                self._finish_stats(stats)
+            self._fail_all(EngineDeadError("the engine was shut down"))
+        except BaseException as e:  # a crashed engine must not leave clients waiting forever
+            logger.exception("the engine loop failed; failing all in-flight requests")
+            self._fail_all(EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}"))
+
+    def _process_commands(self, block: bool) -> bool:
+        """Apply queued adds and aborts; False on a stop command."""
+        try:
+            command = self._commands.get(timeout=_IDLE_WAKEUP_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            if block:  # idle: still let stat loggers flush their periodic line
+                self._finish_stats(self._new_stats())
+            return True
+        while True:
+            kind, payload = command
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(payload)
+            else:
+                self._abort(payload)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, tracker: RequestTracker) -> None:
+        request_id = tracker.request_id
+        if request_id in self._trackers:
+            tracker.deliver(ValueError(f"request id {request_id!r} is already in use"))
+            return
+        try:
+            self.engine.add_prepared_request(tracker.prepared)
+        except ValueError as e:  # fail this request only
+            self.engine.abort_request(request_id)  # drop whatever part of it was registered
+            tracker.deliver(e)
+            return
+        self._trackers[request_id] = tracker
+
+    def _abort(self, request_id: str) -> None:
+        tracker = self._trackers.pop(request_id, None)
+        if tracker is None:
+            return
+        self.engine.abort_request(request_id)
+        tracker.mark_aborted(time.monotonic())
+        self._pending_finished.append(tracker.finished_stats())
+        tracker.deliver(_ABORTED)
+
+    def _step(self, stats: IterationStats) -> None:
+        start = time.monotonic()
+        outputs = self.engine.step()
+        now = time.monotonic()
+        step_stats = self.engine.last_step_stats
+        if step_stats is not None:
+            stats.step_latency = step_stats.latency
+            stats.num_batched_tokens = step_stats.num_batched_tokens
+        scheduler = self.engine.scheduler
+        output_ids = {output.request_id for output in outputs}
+        for tracker in self._trackers.values():
+            if tracker.first_scheduled_time is None:
+                tracker.note_scheduled(scheduler, start, tracker.request_id in output_ids)
+        for output in outputs:
+            tracker = self._trackers.get(output.request_id)
+            if tracker is None:
+                continue
+            tracker.observe(output, now, stats)
+            if output.finished:
+                del self._trackers[output.request_id]
+                stats.finished_requests.append(tracker.finished_stats())
+            tracker.deliver(output)
+
+    def _new_stats(self) -> IterationStats:
+        stats = IterationStats()
+        stats.finished_requests.extend(self._pending_finished)
+        self._pending_finished.clear()
+        return stats
+
+    def _finish_stats(self, stats: IterationStats) -> None:
+        scheduler = self.engine.scheduler
+        stats.now = time.monotonic()
+        stats.num_running = scheduler.num_running
+        stats.num_waiting = scheduler.num_waiting
+        stats.kv_cache_usage = scheduler.kv_cache_usage
+        stats.prefix_cache_hit_rate = scheduler.prefix_cache_hit_rate
+        total = scheduler.num_preemptions_total
+        stats.num_preemptions = total - self._num_preemptions_seen
+        self._num_preemptions_seen = total
+        for stat_logger in self._stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:  # a broken logger must not take the engine down
+                logger.exception("stat logger %r failed", stat_logger)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            self._dead_error = error
+            while True:  # adds that raced with the failure fail too
+                try:
+                    kind, payload = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    payload.deliver(error)
+        for tracker in self._trackers.values():
+            tracker.deliver(error)
+        self._trackers.clear()

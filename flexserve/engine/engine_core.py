@@ -1,0 +1,53 @@
+"""`EngineCore.step()`: schedule -> execute -> update, the iteration every feature rides on."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from flexserve.engine.plan import BatchPlan, StepResult
+from flexserve.engine.request import Request
+from flexserve.engine.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    """What the core needs from the worker side (the model runner satisfies it)."""
+
+    def execute(self, plan: BatchPlan) -> StepResult: ...
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one iteration did, for logs and metrics."""
+
+    num_batched_tokens: int  # tokens in the forward (prefill chunks + decodes)
+    num_sequences: int  # rows in the forward
+    num_generated_tokens: int  # tokens sampled this step
+    num_preemptions: int  # requests preempted while scheduling this step
+    latency: float  # wall seconds of schedule + execute + update
+
+
+class EngineCore:
+    """Drives one scheduler and one executor; knows nothing about text or HTTP."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+
+    def step(self) -> tuple[list[Request], StepResult | None, StepStats | None]:
+        """One iteration. Returns the requests that advanced or finished, the raw result, stats."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return [], None, None
+        result = self.executor.execute(plan)
+        updated = self.scheduler.update(plan, result)
+        stats = StepStats(
+            num_batched_tokens=plan.num_batched_tokens,
+            num_sequences=len(plan.sequences),
+            num_generated_tokens=len(result.sampled_token_ids),
+            num_preemptions=len(plan.preempted_request_ids),
+            latency=time.perf_counter() - start,
+        )
+        return updated, result, stats

@@ -1,0 +1,289 @@
+"""The inference scheduler: one `BatchPlan` per step, vLLM v1 style, with FlexLLM admission.
+
+There are no prefill and decode phases. Every running request has `num_computed_tokens` catching
+up to `num_tokens`; a step gives each, in admission order, as many tokens as the shared budget
+(`max_num_batched_tokens`) allows, so a long prompt is prefilled in chunks and decodes (one token)
+ride along. When blocks run out, the most recently admitted request is preempted and later
+recomputed from scratch (its cached prefix blocks usually survive). A waiting request is admitted
+only if blocks for all of its tokens fit (FlexLLM section 7), so admitted prompts do not evict
+each other halfway through a chunked prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from flexserve.config import CacheConfig, SchedulerConfig
+from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult
+from flexserve.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides which tokens of which requests run each step and applies the sampled results."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if type(max_model_len) is not int or max_model_len <= 0:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.finished_request_ids: list[str] = []  # ended, not yet sent in a plan with rows
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises ValueError if it could never run in this engine."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a fresh waiting request")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+        # The last generated token is never fed back, so the KV cache holds at most this many
+        # tokens of the request; if they cannot fit even alone, it would wait forever.
+        max_kv_tokens = max(
+            request.num_prompt_tokens,
+            min(request.num_prompt_tokens + request.max_tokens, self.max_model_len) - 1,
+        )
+        num_blocks_needed = cdiv(max_kv_tokens, self.block_size)
+        if num_blocks_needed > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} may need {num_blocks_needed} KV blocks, "
+                f"the cache has {self.kv_cache_manager.num_blocks}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string): frees their blocks now.
+
+        Unknown or already finished ids are ignored: an abort may race with a natural finish.
+        """
+        if not status.finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        ended = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.WAITING:
+                self.waiting.remove(request)
+            else:
+                ended.add(request_id)
+            request.status = status
+            self._free_request(request)
+        if ended:
+            self.running = [r for r in self.running if r.request_id not in ended]
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> BatchPlan:
+        """Pick this step's rows. Advances each scheduled request's `num_computed_tokens` now.
+
+        Advancing at schedule time (as vLLM v1 does) means the counters already describe the
+        KV cache as it will be after this plan runs, so a pipelined engine could schedule the
+        next step before `update`; rows record the pre-step value in `num_computed_tokens`.
+        """
+        plan = BatchPlan()
+        budget = self.scheduler_config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new_tokens <= 0:  # scheduled but not yet updated (pipelined engines)
+                index += 1
+                continue
+            while kv.allocate_slots(request, num_new_tokens) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted_request_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            self._add_row(plan, request, num_new_tokens)
+            budget -= num_new_tokens
+            index += 1
+
+        # Admitting while running requests are being preempted would only thrash (vLLM does the
+        # same). Admission is only reached once every running request got all its known tokens
+        # (a partial chunk uses up the budget), so no blocks are owed to half-done prompts and
+        # checking the whole prompt against the free blocks is exact.
+        if not plan.preempted_request_ids:
+            while (
+                self.waiting
+                and budget > 0
+                and len(self.running) < self.scheduler_config.max_num_seqs
+            ):
+                request = self.waiting[0]
+                if request.sampling_params.prompt_logprobs is None:
+                    hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                else:  # prompt logprobs need every prompt position computed, not served from cache
+                    hit_blocks, num_hit_tokens = [], 0
+                num_needed = kv.get_num_blocks_to_allocate(request, request.num_tokens, hit_blocks)
+                if num_needed > kv.num_free_blocks:
+                    break  # FCFS: nobody overtakes the head of the queue
+                num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+                if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
+                    request.num_cached_tokens = num_hit_tokens
+                if kv.enable_prefix_caching:
+                    plan.num_new_prefix_cache_query_tokens += request.num_tokens
+                    plan.num_new_prefix_cache_hit_tokens += num_hit_tokens
+                self._add_row(plan, request, num_new_tokens)
+                budget -= num_new_tokens
+        # An empty plan may never reach the worker, so ended ids wait for one that has rows.
+        if plan.sequences:
+            plan.finished_request_ids = self.finished_request_ids
+            self.finished_request_ids = []
+        return plan
+
+    def update(self, plan: BatchPlan, result: StepResult) -> list[Request]:
+        """Append sampled tokens and check stops; returns the requests that got a token, in order.
+
+        Rows of requests that ended between `schedule` and `update` (aborts) are skipped.
+        """
+        updated = []
+        ended = set()
+        for row in plan.sequences:
+            request = self.requests.get(row.request_id)
+            # The identity check catches an id that was aborted and reused before this update.
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or request.output_token_ids is not row.output_token_ids
+                or not row.needs_sample
+            ):
+                continue
+            token_id = result.sampled_token_ids[row.request_id]
+            request.append_output_token_id(token_id)
+            self._check_stop(request, token_id)
+            if request.status.finished:
+                self._free_request(request)
+                ended.add(request.request_id)
+            updated.append(request)
+        if ended:
+            self.running = [r for r in self.running if r.request_id not in ended]
+        return updated
+
+    # ------------------------------------------------------------------ state for the engine
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """Ids of ended requests are pending for the next plan (the worker drops their state)."""
+        return bool(self.finished_request_ids)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks held by requests, in [0, 1]."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def num_prefix_cache_query_tokens(self) -> int:
+        return self.kv_cache_manager.num_prefix_cache_query_tokens
+
+    @property
+    def num_prefix_cache_hit_tokens(self) -> int:
+        return self.kv_cache_manager.num_prefix_cache_hit_tokens
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.kv_cache_manager.prefix_cache_hit_rate
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ internals
+
+    def _add_row(self, plan: BatchPlan, request: Request, num_new_tokens: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        plan.sequences.append(ScheduledSequence(
+            request_id=request.request_id,
+            new_token_ids=request.all_token_ids[start:end],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            needs_sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_id=request.eos_token_id,
+            seed=request.seed,
+        ))
+        plan.num_batched_tokens += num_new_tokens
+        request.num_computed_tokens = end
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _check_stop(self, request: Request, token_id: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_request_ids.append(request.request_id)

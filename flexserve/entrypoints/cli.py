@@ -1,0 +1,157 @@
+"""The `flexserve` command: `flexserve serve` runs the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from flexserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+logger = logging.getLogger("flexserve.serve")
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `flexserve serve`; defaults are those of the config dataclasses."""
+    model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (0.0.0.0: all interfaces) [%(default)s]")
+    server.add_argument("--port", type=int, default=8000, help="port [%(default)s]")
+    server.add_argument("--api-key", default=os.environ.get("FLEXSERVE_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1/* "
+                             "[$FLEXSERVE_API_KEY, else none]")
+    server.add_argument("--served-model-name", default=None,
+                        help="the model name clients use [the --model value]")
+    server.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
+                        help="larger request bodies get 413 [%(default)s]")
+    server.add_argument("--log-level", choices=_LOG_LEVELS, default="info",
+                        help="log level of flexserve and uvicorn [%(default)s]")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic one-line engine stats in the log")
+
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help="a shipped model name or a Hugging Face directory [%(default)s]")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory [the model's]")
+    group.add_argument("--dtype", default=model.dtype,
+                       choices=("auto", "float32", "bfloat16", "float16"),
+                       help="auto: float32 on CPU, bfloat16 on CUDA [%(default)s]")
+    group.add_argument("--load-format", default=model.load_format, choices=("auto", "dummy"),
+                       help="dummy: random weights, for benchmarks [%(default)s]")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length [the checkpoint's max_position_embeddings]")
+    group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--seed", type=int, default=model.seed,
+                       help="seed of dummy weights and of unseeded sampling [%(default)s]")
+    group.add_argument("--state-dir", default=None,
+                       help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
+                            "~/.cache/flexserve]")
+
+    group = parser.add_argument_group("KV cache and scheduler")
+    group.add_argument("--block-size", type=int, default=cache.block_size,
+                       help="tokens per KV block [%(default)s]")
+    group.add_argument("--gpu-memory-utilization", type=float,
+                       default=cache.gpu_memory_utilization,
+                       help="CUDA: fraction of device memory to use [%(default)s]")
+    group.add_argument("--kv-cache-gib", type=float, default=cache.kv_cache_gib,
+                       help="CPU: KV cache size in GiB [%(default)s]")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=cache.enable_prefix_caching,
+                       help="reuse KV blocks of equal prompt prefixes [on]")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       default=scheduler.max_num_batched_tokens,
+                       help="token budget of one iteration [%(default)s]")
+    group.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
+                       help="running requests at most [%(default)s]")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError naming the bad option."""
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+            load_format=args.load_format, max_model_len=args.max_model_len, seed=args.seed,
+            device=args.device, served_model_name=args.served_model_name,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=args.kv_cache_gib, enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        ),
+        disable_log_stats=args.disable_log_stats,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, log what was built, run uvicorn until interrupted."""
+    import uvicorn
+
+    from flexserve.engine.async_engine import AsyncLLMEngine
+    from flexserve.entrypoints.api_server import build_app
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.state_dir:
+        # The model registry and the converters read the state directory from the environment.
+        os.environ["FLEXSERVE_HOME"] = os.path.abspath(os.path.expanduser(args.state_dir))
+    config = engine_config_from_args(args)
+    logger.info("loading model %s (dtype %s, load format %s)", args.model, args.dtype,
+                args.load_format)
+    engine = AsyncLLMEngine.from_config(config)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
+                    max_request_body_bytes=args.max_request_body_bytes)
+    info = engine.info
+    url = f"http://{args.host}:{args.port}"
+    logger.info("model: %s served as %r | device: %s | dtype: %s | max_model_len: %d",
+                info.name, app.state.served_model_name, info.device, info.dtype,
+                info.max_model_len)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens | max_num_batched_tokens: %d | "
+                "max_num_seqs: %d | prefix caching: %s", info.num_blocks, info.block_size,
+                info.num_blocks * info.block_size, config.scheduler.max_num_batched_tokens,
+                config.scheduler.max_num_seqs, "on" if config.cache.enable_prefix_caching else "off")
+    logger.info("API key: %s", "required on /v1/*" if args.api_key else "not required")
+    logger.info("serving on %s (OpenAI base_url %s/v1; docs %s/openapi.json; metrics %s/metrics)",
+                url, url, url, url)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flexserve", description="Serve LLMs with an OpenAI-compatible API.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_parser = commands.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /version, /metrics).")
+    add_serve_arguments(serve_parser)
+    serve_parser.set_defaults(handler=serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, getattr(args, "log_level", "info").upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.handler(args)
+    except ValueError as e:  # a bad option or model: a message, not a traceback
+        parser.exit(2, f"flexserve {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

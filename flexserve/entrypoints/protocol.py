@@ -1,0 +1,262 @@
+"""OpenAI-compatible request and response models (pydantic), with OpenAI's exact field names.
+
+Requests are parsed strictly from JSON (no string-to-number coercion) and unknown fields are
+ignored, as OpenAI does. Value ranges that `SamplingParams` checks are left to it, so there is
+one source of truth; the checks here are those OpenAI states for the HTTP API itself.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request and response model."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# ------------------------------------------------------------------------------------- shared
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    """Every error response: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    n: int | None = Field(default=1, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None  # None: 1.0 as OpenAI
+    top_p: float | None = None  # None: 1.0
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+# --------------------------------------------------------------------------------- completions
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`."""
+
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None  # accepted only equal to n: not supported otherwise
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = 16
+    suffix: str | None = None  # accepted only empty: not supported
+
+
+class CompletionLogprobs(OpenAIModel):
+    """OpenAI's legacy logprobs object: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop token id or string that ended it
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# Stream chunks have the same shape as the response (OpenAI reuses the object name).
+CompletionStreamResponse = CompletionResponse
+
+
+# --------------------------------------------------------------------------------------- chat
+class ContentPart(OpenAIModel):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is supported."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None  # only {"type": "text"}
+    tools: list[dict[str, Any]] | None = None  # accepted only empty: no tool calling
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    """A stream delta; fields that are None are left out, as OpenAI's final `{}` delta."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+# ------------------------------------------------------------------------------------- models
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "flexserve"
+    root: str | None = None  # the base model the served name resolves to
+    parent: str | None = None  # for adapters: the model they sit on; null for base models
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class VersionResponse(OpenAIModel):
+    version: str
+
+
+class HealthResponse(OpenAIModel):
+    status: Literal["ok"] = "ok"
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+RESPONSE_MODELS = (
+    CompletionResponse, ChatCompletionResponse, ChatCompletionStreamResponse, ModelList,
+    VersionResponse, HealthResponse, ErrorResponse,
+)

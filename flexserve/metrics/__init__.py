@@ -1,0 +1,5 @@
+"""Prometheus metrics; the only package that imports prometheus_client."""
+
+from flexserve.metrics.prometheus import PrometheusStatLogger
+
+__all__ = ["PrometheusStatLogger"]

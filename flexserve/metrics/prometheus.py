@@ -1,0 +1,156 @@
+"""Prometheus metrics of the serving loop, vLLM's names with the `flexserve:` prefix.
+
+The only module (with the package `__init__`) that imports prometheus_client. Each
+`PrometheusStatLogger` owns its metrics in its own `CollectorRegistry`, so several apps (tests)
+can live in one process; every metric carries a `model_name` label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from flexserve.engine.serving_stats import IterationStats
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                             0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+# No `*_created` series next to every counter and histogram (vLLM does the same); this is a
+# process-wide switch of prometheus_client, which only this package uses.
+disable_created_metrics()
+
+
+def iteration_tokens_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """1, 8, 16, 32, ... doubling up to the token budget of one iteration (inclusive)."""
+    buckets = [1]
+    size = 8
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_num_batched_tokens)
+    return tuple(sorted(set(buckets)))
+
+
+class PrometheusStatLogger:
+    """Turns the engine loop's `IterationStats` into Prometheus metrics (a `StatLogger`)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        max_num_batched_tokens: int = 2048,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
+        labels = ["model_name"]
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "flexserve:time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "flexserve:inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a completion.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "flexserve:e2e_request_latency_seconds",
+            "Seconds from arrival to the last token of requests that finished (not aborted).",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "flexserve:request_queue_time_seconds",
+            "Seconds from arrival until the scheduler first admitted the request.",
+            REQUEST_LATENCY_BUCKETS)
+        self.iteration_latency = histogram(
+            "flexserve:iteration_latency_seconds",
+            "Wall seconds of one engine iteration (schedule + execute + update).",
+            ITERATION_LATENCY_BUCKETS)
+        self.iteration_tokens = histogram(
+            "flexserve:iteration_tokens",
+            "Tokens in one iteration's forward (prefill chunks + decodes).",
+            iteration_tokens_buckets(max_num_batched_tokens))
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent").labels(
+                model_name)
+
+        self.num_requests_running = gauge(
+            "flexserve:num_requests_running", "Sequences holding KV blocks (being generated).")
+        self.num_requests_waiting = gauge(
+            "flexserve:num_requests_waiting", "Sequences queued for admission (new or preempted).")
+        self.kv_cache_usage = gauge(
+            "flexserve:kv_cache_usage_perc",
+            "Fraction of KV cache blocks held by requests (1 means 100 percent).")
+        self.prefix_cache_hit_rate = gauge(
+            "flexserve:prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.")
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        self.prompt_tokens = counter(
+            "flexserve:prompt_tokens",
+            "Prompt tokens of requests that produced a first token (each prompt once).")
+        self.generation_tokens = counter(
+            "flexserve:generation_tokens", "Generated tokens, over all completions.")
+        self.num_preemptions = counter(
+            "flexserve:num_preemptions", "Requests preempted (KV freed, recomputed later).")
+        request_success = Counter(
+            "flexserve:request_success",
+            "Completions that ended, by finish reason (each of a request's n choices).",
+            labels + ["finished_reason"], registry=r)
+        self.request_success = {
+            reason: request_success.labels(model_name, reason) for reason in FINISH_REASONS
+        }
+        self._request_success_family = request_success
+
+    def record(self, stats: IterationStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.prefix_cache_hit_rate.set(stats.prefix_cache_hit_rate)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        if stats.num_preemptions:
+            self.num_preemptions.inc(stats.num_preemptions)
+        if stats.step_latency is not None:
+            self.iteration_latency.observe(stats.step_latency)
+            self.iteration_tokens.observe(stats.num_batched_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in stats.finished_requests:
+            for reason in finished.finish_reasons:
+                child = self.request_success.get(reason)
+                if child is None:
+                    child = self.request_success[reason] = self._request_success_family.labels(
+                        self.model_name, reason)
+                child.inc()
+            if finished.aborted:
+                continue
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.request_queue_time.observe(finished.queue_time)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text of this logger's registry and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

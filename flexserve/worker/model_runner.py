@@ -1,0 +1,193 @@
+"""Turns a `BatchPlan` into tensors, runs the model once over all rows, samples, returns a result."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from flexserve.config import EngineConfig
+from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult, TokenLogprobs
+from flexserve.layers.attention import AttentionMetadata
+from flexserve.layers.forward_context import set_forward_context
+from flexserve.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    to_token_logprobs,
+)
+from flexserve.model.loader import load_model, resolve_dtype
+from flexserve.model.registry import ResolvedModel
+from flexserve.worker.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    num_blocks_from_memory,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler on one device."""
+
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.hf_config = resolved.hf_config
+        start = time.perf_counter()
+        self.model = load_model(config.model, resolved, self.device, self.dtype)
+        logger.info(
+            "loaded %s on %s (%s) in %.1f s", resolved.name, self.device,
+            str(self.dtype).removeprefix("torch."), time.perf_counter() - start,
+        )
+        self.vocab_size = self.hf_config.vocab_size
+        self.block_size = config.cache.block_size
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=self.hf_config.num_hidden_layers,
+            num_kv_heads=self.hf_config.num_key_value_heads,
+            head_dim=self.model.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+        self.sampler = Sampler(seed=config.model.seed, device=self.device)
+        self.num_blocks = 0
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ----------------------------------------------------------------------------------- KV cache
+    def initialize_kv_cache(self, max_model_len: int) -> int:
+        """Size the cache from memory (after a profiling forward on CUDA), allocate it, bind it."""
+        peak = self._profile_activation_peak(max_model_len) if self.device.type == "cuda" else 0
+        self.num_blocks = num_blocks_from_memory(
+            self.kv_cache_spec, self.config.cache, self.device, peak
+        )
+        self.kv_caches = allocate_kv_caches(self.kv_cache_spec, self.num_blocks, self.device)
+        self.model.bind_kv_caches(self.kv_caches)
+        return self.num_blocks
+
+    @torch.inference_mode()
+    def _profile_activation_peak(self, max_model_len: int) -> int:
+        """Activation bytes of the largest step: a full token budget plus logits for many rows."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, max_model_len)
+        num_rows = max(1, min(sched.max_num_seqs, num_tokens))
+        query_lens = [num_tokens // num_rows] * num_rows
+        query_lens[-1] += num_tokens - sum(query_lens)
+        blocks_per_row = [-(-q // self.block_size) for q in query_lens]
+        scratch = allocate_kv_caches(self.kv_cache_spec, sum(blocks_per_row), self.device)
+        self.model.bind_kv_caches(scratch)
+        tables, first = [], 0
+        for n in blocks_per_row:
+            tables.append(list(range(first, first + n)))
+            first += n
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        metadata = AttentionMetadata.build(query_lens, [0] * num_rows, tables, self.block_size, self.device)
+        input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
+        positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+        torch.softmax(logits, dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, hidden, logits, metadata
+        self.model.bind_kv_caches([])
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---------------------------------------------------------------------------------- execution
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> StepResult:
+        """Run every row of the plan in one forward; sample rows that reached their end."""
+        start = time.perf_counter()
+        rows = plan.sequences
+        input_ids, positions = self._prepare_inputs(rows)
+        metadata = AttentionMetadata.build(
+            [r.num_scheduled_tokens for r in rows],
+            [r.num_computed_tokens for r in rows],
+            [r.block_ids for r in rows],
+            self.block_size,
+            self.device,
+        )
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        result = StepResult()
+        last_token_index = metadata.query_start_loc[1:] - 1
+        sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
+        if sample_rows:
+            self._sample(rows, sample_rows, hidden, last_token_index, result)
+        self._prompt_logprobs(rows, hidden, result)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.execute_time = time.perf_counter() - start
+        return result
+
+    def _prepare_inputs(self, rows: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for r in rows:
+            token_ids.extend(r.new_token_ids)
+            positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens))
+        # One host->device copy each; pinned memory lets the copy overlap on CUDA.
+        pin = self.device.type == "cuda"
+        ids = torch.tensor(token_ids, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        return ids, pos
+
+    def _sample(
+        self,
+        rows: list[ScheduledSequence],
+        sample_rows: list[int],
+        hidden: torch.Tensor,
+        last_token_index: torch.Tensor,
+        result: StepResult,
+    ) -> None:
+        index = last_token_index[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden[index])
+        sampled_rows = [rows[i] for i in sample_rows]
+        metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
+        out = self.sampler(logits, metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        logprobs = out.token_logprobs()
+        for k, row in enumerate(sampled_rows):
+            result.sampled_token_ids[row.request_id] = token_ids[k]
+            if row.sampling_params.logprobs is not None:
+                result.logprobs[row.request_id] = logprobs[k]
+
+    def _prompt_logprobs(
+        self, rows: list[ScheduledSequence], hidden: torch.Tensor, result: StepResult
+    ) -> None:
+        """Logprobs of prompt tokens covered by this step (logits at p score the token at p+1)."""
+        starts = None
+        for i, row in enumerate(rows):
+            num_top = row.sampling_params.prompt_logprobs
+            num_prompt = len(row.prompt_token_ids)
+            first = row.num_computed_tokens
+            if num_top is None or first >= num_prompt:
+                continue
+            if starts is None:
+                starts = [0]
+                for r in rows:
+                    starts.append(starts[-1] + r.num_scheduled_tokens)
+            stop = min(first + row.num_scheduled_tokens, num_prompt - 1)
+            entries: list[TokenLogprobs | None] = [None] if first == 0 else []
+            if stop > first:
+                flat = torch.arange(starts[i], starts[i] + stop - first, device=self.device)
+                targets = torch.tensor(row.prompt_token_ids[first + 1 : stop + 1], device=self.device)
+                logits = self.model.compute_logits(hidden[flat])
+                tensors = compute_prompt_logprobs(logits, targets, num_top)
+                entries.extend(to_token_logprobs(tensors, num_top))
+            result.prompt_logprobs[row.request_id] = entries
