@@ -103,8 +103,8 @@ def test_chat_equals_offline_chat_token_for_token(llm, client):
     assert choice.finish_reason == ref.finish_reason
     assert response.usage.completion_tokens == len(ref.token_ids)
     # Content as a list of text parts is the same conversation.
-    parts = [{"role": "system", "content": [{"type": "text", "text": "You are a terse assistant."}]},
-             {"role": "user", "content": [{"type": "text", "text": "Name a primary color."}]}]
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+             for m in messages]
     again = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=12,
                                            temperature=0)
     assert again.choices[0].message.content == ref.text
@@ -158,7 +158,8 @@ def test_n_seed_and_several_prompts_follow_offline_sampling(llm, client):
         for i in range(2):
             assert response.choices[p * 2 + i].text == ref.outputs[i].text
     assert response.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
-    assert response.usage.completion_tokens == sum(len(o.token_ids) for r in refs for o in r.outputs)
+    num_generated = sum(len(o.token_ids) for r in refs for o in r.outputs)
+    assert response.usage.completion_tokens == num_generated
     again = client.completions.create(**kwargs)
     assert [c.text for c in again.choices] == [c.text for c in response.choices]
     other = client.completions.create(**{**kwargs, "seed": 4321})
@@ -289,3 +290,24 @@ def test_client_gone_before_a_non_streaming_answer_aborts_it(server):
     wait_until(lambda: scheduler.num_running == 0 and scheduler.num_waiting == 0, timeout=5)
     assert time.monotonic() - start < 5  # 600 tokens would take far longer
     assert scheduler.kv_cache_usage == 0.0
+
+
+def test_serve_options_build_the_engine_config():
+    from flexserve.entrypoints.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--model", "some-dir", "--max-model-len", "512", "--block-size", "32",
+        "--kv-cache-gib", "0.5", "--no-enable-prefix-caching", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "256", "--seed", "3", "--served-model-name", "mine",
+        "--dtype", "float32", "--load-format", "dummy", "--api-key", "k", "--port", "9001",
+    ])
+    config = engine_config_from_args(args)
+    model = config.model
+    assert (model.model, model.max_model_len, model.seed) == ("some-dir", 512, 3)
+    assert model.served_model_name == "mine" and model.load_format == "dummy"
+    assert (config.cache.block_size, config.cache.kv_cache_gib) == (32, 0.5)
+    assert config.cache.enable_prefix_caching is False
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 256)
+    assert (args.api_key, args.port, args.host) == ("k", 9001, "127.0.0.1")
+    with pytest.raises(ValueError, match="block_size"):
+        engine_config_from_args(build_parser().parse_args(["serve", "--block-size", "0"]))

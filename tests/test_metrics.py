@@ -1,4 +1,4 @@
-"""/metrics: parses with prometheus-client's parser, and counters move by exactly what was served."""
+"""/metrics parses with prometheus-client's parser; counters move by exactly what was served."""
 
 from __future__ import annotations
 

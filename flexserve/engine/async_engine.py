@@ -70,7 +70,7 @@ class AsyncLLMEngine:
         self._pending_finished: list[FinishedRequestStats] = []  # aborts, reported next pass
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+    def from_config(cls, config: Any, **kwargs: Any) -> AsyncLLMEngine:
         """Load the model (in the calling thread) and wrap it; call `start()` to serve."""
         return cls(LLMEngine.from_config(config), **kwargs)
 
@@ -102,7 +102,7 @@ class AsyncLLMEngine:
         return self._dead_error
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
-        """Receive an `IterationStats` after every pass of the engine loop (on the engine thread)."""
+        """Get an `IterationStats` after every pass of the engine loop (on the engine thread)."""
         self._stat_loggers.append(stat_logger)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -203,7 +203,10 @@ class AsyncLLMEngine:
     def _process_commands(self, block: bool) -> bool:
         """Apply queued adds and aborts; False on a stop command."""
         try:
-            command = self._commands.get(timeout=_IDLE_WAKEUP_S) if block else self._commands.get_nowait()
+            if block:
+                command = self._commands.get(timeout=_IDLE_WAKEUP_S)
+            else:
+                command = self._commands.get_nowait()
         except queue.Empty:
             if block:  # idle: still let stat loggers flush their periodic line
                 self._finish_stats(self._new_stats())

@@ -115,7 +115,8 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("KV cache: %d blocks x %d tokens = %d tokens | max_num_batched_tokens: %d | "
                 "max_num_seqs: %d | prefix caching: %s", info.num_blocks, info.block_size,
                 info.num_blocks * info.block_size, config.scheduler.max_num_batched_tokens,
-                config.scheduler.max_num_seqs, "on" if config.cache.enable_prefix_caching else "off")
+                config.scheduler.max_num_seqs,
+                "on" if config.cache.enable_prefix_caching else "off")
     logger.info("API key: %s", "required on /v1/*" if args.api_key else "not required")
     logger.info("serving on %s (OpenAI base_url %s/v1; docs %s/openapi.json; metrics %s/metrics)",
                 url, url, url, url)

@@ -105,7 +105,8 @@ class OpenAIServing:
             code = "context_length_exceeded" if "context length" in str(e) else None
             raise bad_request(str(e), param=prompt_param, code=code) from e
         num_prompt_tokens = len(prepared.prompt_token_ids)
-        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt_tokens + params.max_tokens} tokens "

@@ -46,7 +46,7 @@ _CONTENT_REQUIRED_ROLES = ("system", "developer", "user")
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Turns a `ChatCompletionRequest` into one engine request and its result into OpenAI's shape."""
+    """Turns a `ChatCompletionRequest` into one engine request, its result into OpenAI's shape."""
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -160,8 +160,9 @@ class OpenAIServingChat(OpenAIServing):
             yield sse_error(e)
         yield SSE_DONE
 
-    def _logprob_tokens(self, token_ids: Sequence[int],
-                        entries: Sequence[PositionLogprobs], num_top: int) -> list[ChatLogprobToken]:
+    def _logprob_tokens(
+        self, token_ids: Sequence[int], entries: Sequence[PositionLogprobs], num_top: int
+    ) -> list[ChatLogprobToken]:
         tokens = []
         for token_id, entry in zip(token_ids, entries):
             text = self.token_text(token_id, entry)

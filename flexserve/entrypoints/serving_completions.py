@@ -74,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(
         self,
         generators: Sequence[AsyncIterator[RequestOutput]],
-        formatter: "_ChoiceFormatter",
+        formatter: _ChoiceFormatter,
         request_id: str,
         created: int,
         model: str,

@@ -12,8 +12,9 @@ tokens' K/V at `slot_mapping`, then reads each row's whole context through its b
 row can read K/V that another row wrote in the same step (prefix-cache sharing relies on that).
 
 `paged_attention_ref` is the plain-torch reference: the test oracle for the Triton kernels and the
-path used where none is available. All its index tensors are built once per step in
-`AttentionMetadata.build` and reused by every layer, so the forward has no host syncs.
+path used where none is available. It pads rows to one shape per SDPA call, with decode rows and
+the other rows padded separately (at most two calls per layer). All its index tensors are built
+once per step in `AttentionMetadata.build` and reused by every layer: no host syncs in forward.
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ def paged_attention_ref(
     padded = query.new_zeros(num_rows * max_query_len, num_heads, head_dim)
     padded.index_copy_(0, query_pad_index, query)
     q = padded.view(num_rows, max_query_len, num_heads, head_dim).transpose(1, 2)
-    # index_select on the flattened index: advanced indexing with a 2-D index is ~500x slower on
-    # CPU (7 ms vs 15 us for a [3, 26] index, torch 2.13).
+    # index_select on the flattened index: advanced indexing with a 2-D index was ~500x slower on
+    # the 2-core CI CPU (7 ms vs 15 us gathering [300, 3, 64] by a [3, 26] index, torch 2.13).
     slots = context_slot_index.view(-1)
     kv_shape = (num_rows, context_slot_index.shape[1], num_kv_heads, head_dim)
     k = key_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, slots).view(kv_shape)
