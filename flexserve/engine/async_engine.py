@@ -231,8 +231,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_prepared_request(tracker.prepared)
-        except ValueError as e:  # fail this request only
-            self.engine.abort_request(request_id)  # drop whatever part of it was registered
+        except ValueError as e:  # fail this request only (adding is all or nothing)
             tracker.deliver(e)
             return
         self._trackers[request_id] = tracker

@@ -110,17 +110,23 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         eos = None if params.ignore_eos else self.info.eos_token_id
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        requests = [
+            Request(
+                child_id, prepared.prompt_token_ids, params, eos, prepared.max_tokens,
+                prepared.arrival_time, None if params.seed is None else params.seed + i,
+            )
+            for i, child_id in enumerate(child_ids)
+        ]
         self.output_processor.add_request(
             request_id, prepared.prompt_text, prepared.prompt_token_ids, params, child_ids
         )
         self._children[request_id] = child_ids
-        for i, child_id in enumerate(child_ids):
-            seed = None if params.seed is None else params.seed + i
-            request = Request(
-                child_id, prepared.prompt_token_ids, params, eos, prepared.max_tokens,
-                prepared.arrival_time, seed,
-            )
-            self.scheduler.add_request(request)
+        try:
+            for request in requests:
+                self.scheduler.add_request(request)
+        except ValueError:
+            self.abort_request(request_id)  # all or nothing: no half-added parent stays behind
+            raise
 
     def add_request(
         self,
