@@ -1,0 +1,65 @@
+"""Per-step LoRA routing metadata, built once per step and shared by every LoRA layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LoRAKernelMeta:
+    """Which adapter slot each token uses, as tokens and as contiguous same-slot segments."""
+
+    token_slots: torch.Tensor  # [T] int32: adapter slot of each token, -1 = no adapter
+    seg_starts: torch.Tensor  # [S] int32: first token of each segment that has an adapter
+    seg_lens: torch.Tensor  # [S] int32: tokens in each such segment (>= 1)
+    seg_slots: torch.Tensor  # [S] int32: the slot of each such segment (>= 0)
+    num_tokens: int  # T
+    max_seg_len: int  # longest segment; 0 when no token has an adapter
+    decode_only: bool  # every segment has one token (BGMV-shaped batch)
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_slots.shape[0])
+
+    @property
+    def has_lora(self) -> bool:
+        return self.max_seg_len > 0
+
+    @classmethod
+    def build(cls, row_lens: list[int], row_slots: list[int], device: torch.device | str) -> "LoRAKernelMeta":
+        """From the rows of a flat batch: their token counts and slots (-1 for the base model).
+
+        Consecutive rows with the same slot merge into one segment; rows without an adapter
+        form no segment, so kernels never visit their tokens.
+        """
+        if len(row_lens) != len(row_slots):
+            raise ValueError(f"{len(row_lens)} row lengths for {len(row_slots)} row slots")
+        token_slots: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        slots: list[int] = []
+        position = 0
+        for n, slot in zip(row_lens, row_slots):
+            if n <= 0:
+                raise ValueError(f"a row must have at least one token, got {n}")
+            token_slots.extend([slot] * n)
+            if slot >= 0:
+                if slots and slots[-1] == slot and starts[-1] + lens[-1] == position:
+                    lens[-1] += n
+                else:
+                    starts.append(position)
+                    lens.append(n)
+                    slots.append(slot)
+            position += n
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+        return cls(
+            token_slots=as_tensor(token_slots),
+            seg_starts=as_tensor(starts),
+            seg_lens=as_tensor(lens),
+            seg_slots=as_tensor(slots),
+            num_tokens=position,
+            max_seg_len=max(lens, default=0),
+            decode_only=bool(lens) and max(lens) == 1,
+        )
