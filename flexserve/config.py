@@ -83,6 +83,50 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
 
 
+def _positive_int(name: str, value: object) -> None:
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving: device slots, the host-memory cache, limits, adapters loaded at start."""
+
+    max_loras: int = 4  # adapters resident in device slots = distinct adapters in one batch
+    max_cpu_loras: int | None = None  # adapters held in host memory (LRU); None: max(max_loras, 8)
+    max_lora_rank: int = 64  # width of every slot; adapters of a larger rank are refused
+    allowed_adapter_dir: str | None = None  # adapter paths must resolve inside it; None: anywhere
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, loaded at start
+
+    def __post_init__(self) -> None:
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(self.max_loras, 8)
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "
+                "the host cache feeds the device slots"
+            )
+        if self.allowed_adapter_dir is not None:
+            if not isinstance(self.allowed_adapter_dir, str) or not self.allowed_adapter_dir:
+                raise ValueError("allowed_adapter_dir must be a directory path")
+            # Resolved once here, so the check of each adapter path compares real paths.
+            resolved = os.path.realpath(os.path.expanduser(self.allowed_adapter_dir))
+            if not os.path.isdir(resolved):
+                raise ValueError(
+                    f"allowed_adapter_dir {self.allowed_adapter_dir!r} is not a directory")
+            self.allowed_adapter_dir = resolved
+        if not isinstance(self.lora_modules, dict):
+            raise ValueError("lora_modules must be a dict of adapter name -> path")
+        for name, path in self.lora_modules.items():
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"lora_modules: adapter names must be non-empty, got {name!r}")
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"lora_modules: adapter {name!r} needs a path, got {path!r}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; `max_model_len` is resolved from the checkpoint when loaded."""
@@ -90,4 +134,5 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig | None = None  # None: LoRA disabled (no slots, no wrapped linears)
     disable_log_stats: bool = False  # periodic one-line stats in the log

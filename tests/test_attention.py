@@ -185,13 +185,15 @@ def test_attention_rejects_bad_head_counts_and_unbound_cache():
 def test_forward_context_nests_and_restores():
     with pytest.raises(RuntimeError, match="set_forward_context"):
         get_forward_context()
-    with set_forward_context("outer"):
-        assert get_forward_context() == "outer"
+    with set_forward_context("outer", lora_meta="outer-lora"):
+        assert get_forward_context().attn_metadata == "outer"
+        assert get_forward_context().lora_meta == "outer-lora"
         with set_forward_context("inner"):
-            assert get_forward_context() == "inner"
-        assert get_forward_context() == "outer"
+            assert get_forward_context().attn_metadata == "inner"
+            assert get_forward_context().lora_meta is None
+        assert get_forward_context().attn_metadata == "outer"
         with pytest.raises(KeyError), set_forward_context("failing"):
             raise KeyError("boom")
-        assert get_forward_context() == "outer"
+        assert get_forward_context().lora_meta == "outer-lora"
     with pytest.raises(RuntimeError):
         get_forward_context()

@@ -1,8 +1,9 @@
 """`AsyncLLMEngine`: the bridge between asyncio request handlers and the synchronous `LLMEngine`.
 
 The engine loop runs in one dedicated thread, so device work never blocks the event loop. Handlers
-talk to it through a thread-safe command queue (add, abort); the thread hands each request's
-outputs back to the handler's own event loop with `call_soon_threadsafe` into an asyncio queue.
+talk to it through a thread-safe command queue (add, abort, and calls such as registering a LoRA
+adapter, run between two steps); the thread hands each request's outputs back to the handler's
+own event loop with `call_soon_threadsafe` into an asyncio queue.
 All engine state, the per-request timing included, is touched by the engine thread alone.
 
 If the engine loop raises, every in-flight request fails with `EngineDeadError` and the engine
@@ -12,15 +13,18 @@ reports itself unhealthy instead of leaving callers hanging.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from flexserve.engine.adapter_manager import AdapterLoadError
 from flexserve.engine.llm_engine import LLMEngine, ModelInfo, PreparedRequest
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.serving_stats import (
     FinishedRequestStats,
     IterationStats,
@@ -134,9 +138,11 @@ class AsyncLLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams,
         prompt_text: str | None = None,
+        lora_name: str | None = None,
     ) -> PreparedRequest:
         """Tokenize and validate a prompt off the engine thread; raises ValueError on bad input."""
-        return self.engine.process_inputs(request_id, prompt, params, prompt_text)
+        return self.engine.process_inputs(
+            request_id, prompt, params, prompt_text, lora_name=lora_name)
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Enqueue a prepared request and yield its cumulative outputs until it finishes.
@@ -184,6 +190,46 @@ class AsyncLLMEngine:
         if self._dead_error is None:
             self._commands.put(("abort", request_id))
 
+    # ------------------------------------------------------------------------------ LoRA
+    @property
+    def lora_enabled(self) -> bool:
+        return self.engine.lora_enabled
+
+    def list_loras(self) -> tuple[LoRARequest, ...]:
+        """The servable adapters (a snapshot; any thread)."""
+        return self.engine.list_loras()
+
+    async def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Load an adapter and make it servable; ValueError with the reason when it cannot be.
+
+        Reading and validating the files runs in a worker thread, so neither the event loop nor
+        the engine loop waits on the disk; only the registration runs on the engine thread.
+        """
+        engine = self.engine
+        lora_request = engine.new_lora_request(lora_name, lora_path)
+        await asyncio.to_thread(engine.load_lora, lora_request)
+        await self._call(engine.register_lora, lora_request)
+        logger.info("loaded LoRA adapter %r from %s", lora_name, lora_path)
+        return lora_request
+
+    async def remove_lora(self, lora_name: str) -> int:
+        """Stop serving an adapter; returns how many accepted requests still finish with it.
+
+        Raises `AdapterNotFoundError` for an unknown name.
+        """
+        return await self._call(self.engine.remove_lora, lora_name)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(*args)` on the engine thread between two steps; its result or exception."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._dead_error is not None:
+                raise self._dead_error
+            if not self.is_running:
+                raise EngineDeadError("the engine is not running; call start() first")
+            self._commands.put(("call", (fn, args, future)))
+        return await asyncio.wrap_future(future)
+
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -217,6 +263,12 @@ class AsyncLLMEngine:
                 return False
             if kind == "add":
                 self._add(payload)
+            elif kind == "call":
+                fn, args, future = payload
+                try:
+                    future.set_result(fn(*args))
+                except Exception as e:  # the caller gets it; the engine carries on
+                    future.set_exception(e)
             else:
                 self._abort(payload)
             try:
@@ -253,6 +305,12 @@ class AsyncLLMEngine:
         if step_stats is not None:
             stats.step_latency = step_stats.latency
             stats.num_batched_tokens = step_stats.num_batched_tokens
+        for request_id, reason in self.engine.pop_failed_requests().items():
+            tracker = self._trackers.pop(request_id, None)
+            if tracker is not None:
+                tracker.mark_aborted(now)
+                stats.finished_requests.append(tracker.finished_stats())
+                tracker.deliver(AdapterLoadError(reason))
         scheduler = self.engine.scheduler
         output_ids = {output.request_id for output in outputs}
         for tracker in self._trackers.values():
@@ -284,6 +342,9 @@ class AsyncLLMEngine:
         total = scheduler.num_preemptions_total
         stats.num_preemptions = total - self._num_preemptions_seen
         self._num_preemptions_seen = total
+        if self.engine.lora_enabled:
+            (stats.lora_requests_running, stats.num_loras_gpu,
+             stats.num_loras_cpu) = self.engine.lora_stats()
         for stat_logger in self._stat_loggers:
             try:
                 stat_logger.record(stats)
@@ -300,6 +361,8 @@ class AsyncLLMEngine:
                     break
                 if kind == "add":
                     payload.deliver(error)
+                elif kind == "call":
+                    payload[2].set_exception(error)
         for tracker in self._trackers.values():
             tracker.deliver(error)
         self._trackers.clear()

@@ -28,6 +28,16 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.sha256(parent + payload).digest(), "big")
 
 
+def adapter_root_hash(lora_int_id: int) -> int:
+    """The parent hash of the first block of a request that uses adapter `lora_int_id`.
+
+    K/V depend on the adapter, so requests of different adapters (or of the base model) must
+    never share blocks: chaining from an adapter-specific root keeps their hash spaces apart.
+    """
+    payload = b"flexserve-lora\0" + lora_int_id.to_bytes(8, "little")
+    return int.from_bytes(hashlib.sha256(payload).digest(), "big")
+
+
 class KVCacheBlock:
     """One block of `block_size` token slots in the paged KV cache."""
 

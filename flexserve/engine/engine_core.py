@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
 from flexserve.engine.scheduler import Scheduler
@@ -17,6 +18,24 @@ class Executor(Protocol):
     def execute(self, plan: BatchPlan) -> StepResult: ...
 
 
+class LoRAExecutor(Executor, Protocol):
+    """An executor that serves LoRA adapters (the model runner when LoRA is enabled)."""
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and validate the adapter into host memory; ValueError with the reason.
+        Thread-safe: servers call it off the engine thread."""
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter's host copy (a no-op when it has none); thread-safe."""
+        ...
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters held in host memory."""
+        ...
+
+
 @dataclass(slots=True)
 class StepStats:
     """What one iteration did, for logs and metrics."""
@@ -26,6 +45,8 @@ class StepStats:
     num_generated_tokens: int  # tokens sampled this step
     num_preemptions: int  # requests preempted while scheduling this step
     latency: float  # wall seconds of schedule + execute + update
+    # request id -> reason, for requests the engine aborted because their adapter failed to load
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -42,6 +63,7 @@ class EngineCore:
         if plan.is_empty:
             return [], None, None
         result = self.executor.execute(plan)
+        failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
         stats = StepStats(
             num_batched_tokens=plan.num_batched_tokens,
@@ -49,5 +71,6 @@ class EngineCore:
             num_generated_tokens=len(result.sampled_token_ids),
             num_preemptions=len(plan.preempted_request_ids),
             latency=time.perf_counter() - start,
+            failed_requests=failed,
         )
         return updated, result, stats

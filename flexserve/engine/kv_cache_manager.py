@@ -3,13 +3,20 @@
 A request's block table covers exactly its computed-and-scheduled tokens: block i holds token
 positions [i * block_size, (i + 1) * block_size). Prefix caching keys every full block by a hash
 chained over all tokens up to its end, so a hit on block i implies equal tokens in blocks 0..i.
+Requests with a LoRA adapter chain from an adapter-specific root, so they share blocks only with
+requests of the same adapter registration.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from flexserve.engine.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from flexserve.engine.block_pool import (
+    BlockPool,
+    KVCacheBlock,
+    adapter_root_hash,
+    hash_block_tokens,
+)
 from flexserve.engine.request import Request
 
 
@@ -165,8 +172,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         block_size = self.block_size
         token_ids = request.all_token_ids
+        root = adapter_root_hash(request.lora_int_id) if request.lora_int_id else None
         for i in range(len(hashes), num_tokens // block_size):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else root
             hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size]))
 
     def _cache_full_blocks(

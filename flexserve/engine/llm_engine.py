@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexserve.config import EngineConfig
-from flexserve.engine.engine_core import EngineCore, Executor, StepStats
+from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager
+from flexserve.engine.engine_core import EngineCore, Executor, LoRAExecutor, StepStats
 from flexserve.engine.input_processor import InputProcessor, Prompt
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.output_processor import OutputProcessor
 from flexserve.engine.request import Request, RequestStatus
 from flexserve.engine.scheduler import Scheduler
@@ -44,6 +46,7 @@ class PreparedRequest:
     params: SamplingParams  # how to sample
     max_tokens: int  # resolved generation limit
     arrival_time: float  # time.monotonic() at arrival
+    lora_name: str | None = None  # adapter to use (resolved when enqueued); None: base model
 
 
 class LLMEngine:
@@ -59,13 +62,24 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.info = info
-        self.scheduler = Scheduler(config.scheduler, config.cache, info.num_blocks, info.max_model_len)
+        self.executor = executor
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, info.num_blocks, info.max_model_len, config.lora
+        )
         self.core = EngineCore(self.scheduler, executor)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request id -> child request ids
         self._ids = itertools.count()
         self.last_step_stats: StepStats | None = None
+        self._lora_ids = itertools.count(1)  # engine-wide adapter ids; next() is thread-safe
+        self._failed: dict[str, str] = {}  # parent request id -> why the engine ended it
+        if config.lora is not None:
+            for name, path in config.lora.lora_modules.items():
+                try:
+                    self.add_lora(name, path)
+                except ValueError as e:
+                    raise ValueError(f"LoRA adapter {name}={path}: {e}") from e
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -87,6 +101,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt_text: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> PreparedRequest:
         """Tokenize and validate a prompt; raises ValueError on bad input.
 
@@ -101,19 +116,27 @@ class LLMEngine:
             params=params,
             max_tokens=self.input_processor.resolve_max_tokens(len(token_ids), params),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            lora_name=lora_name,
         )
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
-        """Enqueue a validated prompt: one scheduler request per completion (`n`)."""
+        """Enqueue a validated prompt: one scheduler request per completion (`n`).
+
+        Raises `AdapterNotFoundError` (a ValueError) when its adapter is not being served.
+        """
         request_id, params = prepared.request_id, prepared.params
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
+        lora_request = None
+        if prepared.lora_name is not None:
+            lora_request = self._adapters().lookup(prepared.lora_name)
         eos = None if params.ignore_eos else self.info.eos_token_id
         child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         requests = [
             Request(
                 child_id, prepared.prompt_token_ids, params, eos, prepared.max_tokens,
                 prepared.arrival_time, None if params.seed is None else params.seed + i,
+                lora_request,
             )
             for i, child_id in enumerate(child_ids)
         ]
@@ -135,10 +158,14 @@ class LLMEngine:
         params: SamplingParams,
         prompt_text: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
-        """Validate and enqueue a prompt (text or token ids); raises ValueError on bad input."""
+        """Validate and enqueue a prompt (text or token ids); raises ValueError on bad input.
+
+        `lora_name` selects a loaded adapter (see `add_lora`); None runs the base model.
+        """
         self.add_prepared_request(
-            self.process_inputs(request_id, prompt, params, prompt_text, arrival_time)
+            self.process_inputs(request_id, prompt, params, prompt_text, arrival_time, lora_name)
         )
 
     def abort_request(self, request_ids: list[str] | str) -> None:
@@ -151,6 +178,7 @@ class LLMEngine:
                 continue
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(request_id)
+        self._drop_freed_adapters()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -160,6 +188,9 @@ class LLMEngine:
         """Run one iteration; returns the outputs of every request that changed."""
         updated, result, stats = self.core.step()
         self.last_step_stats = stats
+        if stats is not None and stats.failed_requests:
+            self._fail_requests(stats.failed_requests)
+        self._drop_freed_adapters()
         if result is None:
             return []
         outputs, stopped_ids = self.output_processor.process(updated, result)
@@ -169,3 +200,96 @@ class LLMEngine:
             if output.finished:
                 self._children.pop(output.request_id, None)
         return outputs
+
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Requests the engine ended on its own since the last call (request id -> reason).
+
+        They get no final output; today the only cause is an adapter that failed to load.
+        """
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _fail_requests(self, child_reasons: dict[str, str]) -> None:
+        parent_of = {c: p for p, children in self._children.items() for c in children}
+        for child_id, reason in child_reasons.items():
+            parent_id = parent_of.get(child_id)
+            if parent_id is not None and parent_id not in self._failed:
+                logger.error("request %s failed: %s", parent_id, reason)
+                self._failed[parent_id] = reason
+                self.abort_request(parent_id)
+
+    # ----------------------------------------------------------------------------------- LoRA
+    @property
+    def lora_enabled(self) -> bool:
+        return self.scheduler.adapter_manager is not None
+
+    def new_lora_request(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """A fresh registration of an adapter (a new, never reused id); thread-safe.
+
+        Raises `AdapterExistsError` early when the name is taken (checked again on registering).
+        """
+        if lora_name in self._adapters().names:
+            raise AdapterExistsError(f"The lora adapter '{lora_name}' has already been loaded.")
+        return LoRARequest(lora_name, next(self._lora_ids), lora_path)
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Read and validate the adapter into the worker's host cache (disk I/O; thread-safe).
+
+        ValueError with the reason: missing files, bad config, shapes or targets the model does
+        not have, rank over max_lora_rank, a path outside allowed_adapter_dir.
+        """
+        self._adapters()
+        self._lora_executor().add_lora(lora_request)
+
+    def register_lora(self, lora_request: LoRARequest) -> None:
+        """Make a loaded adapter servable by name (engine thread); AdapterExistsError if taken."""
+        try:
+            self._adapters().register(lora_request)
+        except ValueError:
+            self._lora_executor().remove_lora(lora_request.lora_int_id)
+            raise
+
+    def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Load and register an adapter in one call (offline use and start-up `lora_modules`)."""
+        lora_request = self.new_lora_request(lora_name, lora_path)
+        self.load_lora(lora_request)
+        self.register_lora(lora_request)
+        logger.info("loaded LoRA adapter %r from %s", lora_name, lora_path)
+        return lora_request
+
+    def remove_lora(self, lora_name: str) -> int:
+        """Stop serving `lora_name`; returns how many accepted requests still finish with it.
+
+        Raises `AdapterNotFoundError` for an unknown name.
+        """
+        num_in_use = self._adapters().unregister(lora_name)
+        self._drop_freed_adapters()
+        logger.info("unloaded LoRA adapter %r (%d requests still use it)", lora_name, num_in_use)
+        return num_in_use
+
+    def list_loras(self) -> tuple[LoRARequest, ...]:
+        """The servable adapters (a snapshot; safe to read from any thread)."""
+        adapters = self.scheduler.adapter_manager
+        return () if adapters is None else adapters.lora_requests
+
+    def lora_stats(self) -> tuple[dict[str, int], int, int]:
+        """(running requests per adapter name, adapters in device slots, adapters in host RAM)."""
+        adapters = self._adapters()
+        return (adapters.num_running_by_name(), adapters.num_resident,
+                self._lora_executor().num_cpu_loras)
+
+    def _adapters(self) -> AdapterManager:
+        adapters = self.scheduler.adapter_manager
+        if adapters is None:
+            raise ValueError("LoRA is not enabled in this engine (enable_lora / --enable-lora)")
+        return adapters
+
+    def _lora_executor(self) -> LoRAExecutor:
+        return self.executor  # type: ignore[return-value]
+
+    def _drop_freed_adapters(self) -> None:
+        adapters = self.scheduler.adapter_manager
+        if adapters is None:
+            return
+        for lora_int_id in adapters.pop_freed_ids():
+            self._lora_executor().remove_lora(lora_int_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class ScheduledSequence:
     output_token_ids: list[int]  # generated so far (penalties, min_tokens); shared, do not mutate
     eos_token_id: int | None  # masked while fewer than min_tokens are generated
     seed: int | None  # effective seed; the sampler derives a per-step generator from it
+    lora_slot: int = -1  # device slot of the request's LoRA adapter; -1: base model only
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -43,6 +45,8 @@ class BatchPlan:
     finished_request_ids: list[str] = field(default_factory=list)  # ended since the last plan
     num_new_prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     num_new_prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    # slot -> adapter to copy into that device slot before this forward (its rows use the slot)
+    lora_slot_loads: dict[int, LoRARequest] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -68,3 +72,5 @@ class StepResult:
     # tokens at positions num_computed_tokens+1 ... (position 0 has no logprob and gets None)
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     execute_time: float = 0.0  # seconds spent in the worker
+    # lora_int_id -> why its slot load failed; the engine ends those requests, drops their tokens
+    lora_load_errors: dict[int, str] = field(default_factory=dict)

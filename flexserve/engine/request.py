@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.sampling_params import SamplingParams
 
 
@@ -38,7 +39,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "max_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "seed", "first_scheduled_time",
+        "seed", "first_scheduled_time", "lora_request",
     )
 
     def __init__(
@@ -50,6 +51,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         seed: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,10 +69,16 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.first_scheduled_time: float | None = None
+        self.lora_request = lora_request  # the adapter its tokens use; None: the base model
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_prompt_tokens(self) -> int:

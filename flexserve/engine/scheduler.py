@@ -7,6 +7,15 @@ ride along. When blocks run out, the most recently admitted request is preempted
 recomputed from scratch (its cached prefix blocks usually survive). A waiting request is admitted
 only if blocks for all of its tokens fit (FlexLLM section 7), so admitted prompts do not evict
 each other halfway through a chunked prefill.
+
+With LoRA, a request also needs its adapter in one of `max_loras` device slots (see
+`AdapterManager`). A waiting request whose adapter is not resident while every slot is pinned by
+running requests is skipped, and the requests behind it may be admitted: strict FCFS would let one
+cold adapter idle the whole batch until a slot drains. To keep the skipped request from starving
+under steady traffic on the resident adapters, it claims one of them (the one with the fewest
+running requests): later arrivals for the claimed adapter wait too, so its slot drains and passes
+to the skipped request. Skipping applies only to slots; a request that does not fit in free KV
+blocks still blocks everyone behind it, as before.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from flexserve.config import CacheConfig, SchedulerConfig
+from flexserve.config import CacheConfig, LoRAConfig, SchedulerConfig
+from flexserve.engine.adapter_manager import AdapterManager
 from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult
 from flexserve.engine.request import Request, RequestStatus
@@ -30,6 +40,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         if type(max_model_len) is not int or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -45,6 +56,10 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.finished_request_ids: list[str] = []  # ended, not yet sent in a plan with rows
         self.num_preemptions_total = 0
+        # Adapter registry and device slots; None when LoRA is disabled.
+        self.adapter_manager = (
+            None if lora_config is None else AdapterManager(lora_config.max_loras)
+        )
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -73,6 +88,10 @@ class Scheduler:
                 f"request {request.request_id!r} may need {num_blocks_needed} KV blocks, "
                 f"the cache has {self.kv_cache_manager.num_blocks}"
             )
+        if request.lora_request is not None:
+            if self.adapter_manager is None:
+                raise ValueError("LoRA is not enabled in this engine")
+            self.adapter_manager.add_request(request.request_id, request.lora_int_id)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -102,6 +121,29 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
         return self.requests.get(request_id)
+
+    def fail_adapters(self, errors: dict[int, str]) -> dict[str, str]:
+        """The worker could not load these adapters (lora_int_id -> reason): stop serving them
+        and abort every request that uses them. Returns request id -> reason.
+
+        Call before `update`, so the tokens those rows produced this step are dropped.
+        """
+        if self.adapter_manager is None or not errors:
+            return {}
+        failed = {}
+        for lora_int_id, reason in errors.items():
+            lora_request = self.adapter_manager.get(lora_int_id)
+            if lora_request is None:
+                continue
+            message = f"The lora adapter '{lora_request.lora_name}' could not be loaded: {reason}"
+            failed.update({
+                request_id: message
+                for request_id, request in self.requests.items()
+                if request.lora_int_id == lora_int_id
+            })
+            self.adapter_manager.mark_failed(lora_int_id)
+        self.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+        return failed
 
     # ------------------------------------------------------------------ the step
 
@@ -140,23 +182,38 @@ class Scheduler:
         # (a partial chunk uses up the budget), so no blocks are owed to half-done prompts and
         # checking the whole prompt against the free blocks is exact.
         if not plan.preempted_request_ids:
+            adapters = self.adapter_manager
+            claimed: set[int] = set()  # adapters held back so a skipped request gets their slot
+            index = 0
             while (
-                self.waiting
+                index < len(self.waiting)
                 and budget > 0
                 and len(self.running) < self.scheduler_config.max_num_seqs
             ):
-                request = self.waiting[0]
+                request = self.waiting[index]
+                lora_int_id = request.lora_int_id
+                if lora_int_id and (lora_int_id in claimed or not adapters.can_pin(lora_int_id)):
+                    if lora_int_id not in claimed:
+                        victim = adapters.drain_candidate(claimed)
+                        if victim is not None:
+                            claimed.add(victim)
+                    index += 1  # no slot for its adapter: let the requests behind it go first
+                    continue
                 if request.sampling_params.prompt_logprobs is None:
                     hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 else:  # prompt logprobs need every prompt position computed, not served from cache
                     hit_blocks, num_hit_tokens = [], 0
                 num_needed = kv.get_num_blocks_to_allocate(request, request.num_tokens, hit_blocks)
                 if num_needed > kv.num_free_blocks:
-                    break  # FCFS: nobody overtakes the head of the queue
+                    break  # FCFS for KV blocks: nobody overtakes this request
                 num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
                 if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
                     break
-                self.waiting.popleft()
+                del self.waiting[index]
+                if lora_int_id:
+                    slot, needs_load = adapters.pin(request.request_id, lora_int_id)
+                    if needs_load:
+                        plan.lora_slot_loads[slot] = request.lora_request
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
@@ -255,12 +312,17 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
             seed=request.seed,
+            lora_slot=(
+                self.adapter_manager.slot_of(request.lora_int_id) if request.lora_int_id else -1
+            ),
         ))
         plan.num_batched_tokens += num_new_tokens
         request.num_computed_tokens = end
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.adapter_manager is not None:
+            self.adapter_manager.unpin(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -285,5 +347,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.adapter_manager is not None:
+            self.adapter_manager.finish_request(request.request_id)
         del self.requests[request.request_id]
         self.finished_request_ids.append(request.request_id)

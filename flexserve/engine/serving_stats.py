@@ -47,6 +47,10 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, one per prompt
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per token
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # LoRA (None / 0 when disabled): running requests per adapter name, every servable name listed
+    lora_requests_running: dict[str, int] | None = None
+    num_loras_gpu: int = 0  # adapters loaded in device slots
+    num_loras_cpu: int = 0  # adapters held in host memory
 
 
 class StatLogger(Protocol):

@@ -15,20 +15,23 @@ from collections.abc import AsyncIterator
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import flexserve
+from flexserve.engine.adapter_manager import AdapterExistsError, AdapterNotFoundError
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.errors import EXCEPTION_HANDLERS, APIError, error_response
+from flexserve.entrypoints.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
 from flexserve.entrypoints.openapi import build_openapi
 from flexserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
     now_s,
 )
@@ -57,8 +60,12 @@ def build_app(
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
     model_name = (served_model_name or engine.engine.config.model.served_model_name
                   or engine.info.name)
+    for lora_request in engine.list_loras():
+        if lora_request.lora_name == model_name:
+            raise ValueError(f"LoRA adapter name {model_name!r} is the served model's name")
     metrics = PrometheusStatLogger(
-        model_name, engine.engine.config.scheduler.max_num_batched_tokens)
+        model_name, engine.engine.config.scheduler.max_num_batched_tokens,
+        enable_lora=engine.lora_enabled)
     engine.add_stat_logger(metrics)
 
     @contextlib.asynccontextmanager
@@ -71,6 +78,8 @@ def build_app(
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/version", version, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -114,9 +123,47 @@ async def create_chat_completion(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state = request.app.state
     info = state.engine.info
-    card = ModelCard(id=state.served_model_name, created=state.created, root=info.name,
-                     parent=None, max_model_len=info.max_model_len)
-    return json_response(ModelList(data=[card]))
+    cards = [ModelCard(id=state.served_model_name, created=state.created, root=info.name,
+                       parent=None, max_model_len=info.max_model_len)]
+    cards.extend(
+        ModelCard(id=lora.lora_name, created=state.created, root=lora.lora_path,
+                  parent=state.served_model_name, max_model_len=info.max_model_len)
+        for lora in state.engine.list_loras()
+    )
+    return json_response(ModelList(data=cards))
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    body = LoadLoRAAdapterRequest.model_validate_json(await request.body())
+    state = request.app.state
+    engine: AsyncLLMEngine = state.engine
+    if not engine.lora_enabled:
+        raise bad_request("LoRA is not enabled: start the server with --enable-lora")
+    if body.lora_name == state.served_model_name:
+        raise bad_request(f"'{body.lora_name}' is the base model's name", param="lora_name")
+    try:
+        await engine.add_lora(body.lora_name, body.lora_path)
+    except AdapterExistsError as e:
+        raise bad_request(str(e), param="lora_name") from e
+    except ValueError as e:  # missing files, bad config, shapes, rank, outside the allowed dir
+        raise bad_request(f"Cannot load LoRA adapter '{body.lora_name}': {e}",
+                          param="lora_path") from e
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    body = UnloadLoRAAdapterRequest.model_validate_json(await request.body())
+    engine: AsyncLLMEngine = request.app.state.engine
+    if not engine.lora_enabled:
+        raise bad_request("LoRA is not enabled: start the server with --enable-lora")
+    try:
+        num_in_use = await engine.remove_lora(body.lora_name)
+    except AdapterNotFoundError as e:
+        raise APIError(404, str(e), param="lora_name", code="not_found") from e
+    message = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+    if num_in_use:
+        message += f" {num_in_use} request(s) already using it will finish first."
+    return PlainTextResponse(message)
 
 
 async def health(request: Request) -> Response:

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
 
-from flexserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from flexserve.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 
 logger = logging.getLogger("flexserve.serve")
 
@@ -69,6 +77,59 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
                        help="running requests at most [%(default)s]")
 
+    lora = LoRAConfig()
+    group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (loaded at start-up or at run time)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="adapters to load at start-up, as name=path or as JSON "
+                            '\'{"name": "...", "path": "..."}\'')
+    group.add_argument("--max-loras", type=int, default=None,
+                       help=f"adapters in device slots = distinct adapters per batch "
+                            f"[{lora.max_loras}]")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept read in host memory, LRU [max(max_loras, 8)]")
+    group.add_argument("--max-lora-rank", type=int, default=None,
+                       help=f"largest adapter rank (the width of every slot) "
+                            f"[{lora.max_lora_rank}]")
+    group.add_argument("--allowed-adapter-dir", default=None,
+                       help="adapter paths must resolve inside this directory [anywhere]")
+
+
+def parse_lora_modules(values: Sequence[str] | None) -> dict[str, str]:
+    """`name=path` or vLLM's JSON `{"name": ..., "path": ...}` items -> {name: path}."""
+    modules: dict[str, str] = {}
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: invalid JSON {value!r}: {e}") from e
+            name, path = item.get("name"), item.get("path")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules: expected NAME=PATH, got {value!r}")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules: {value!r} needs a non-empty name and path")
+        if name in modules:
+            raise ValueError(f"--lora-modules: adapter name {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
+    """LoRAConfig when --enable-lora or any LoRA option is given, else None."""
+    given = {
+        "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
+        "max_lora_rank": args.max_lora_rank, "allowed_adapter_dir": args.allowed_adapter_dir,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    modules = parse_lora_modules(args.lora_modules)
+    if not (args.enable_lora or given or modules):
+        return None
+    return LoRAConfig(lora_modules=modules, **given)
+
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Raises ValueError naming the bad option."""
@@ -85,6 +146,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         ),
+        lora=lora_config_from_args(args),
         disable_log_stats=args.disable_log_stats,
     )
 
@@ -117,6 +179,12 @@ def serve(args: argparse.Namespace) -> int:
                 info.num_blocks * info.block_size, config.scheduler.max_num_batched_tokens,
                 config.scheduler.max_num_seqs,
                 "on" if config.cache.enable_prefix_caching else "off")
+    if config.lora is not None:
+        lora = config.lora
+        names = ", ".join(r.lora_name for r in engine.list_loras()) or "none yet"
+        logger.info("LoRA: max_loras %d (slots of rank %d), max_cpu_loras %d, allowed adapter "
+                    "dir: %s | adapters: %s", lora.max_loras, lora.max_lora_rank,
+                    lora.max_cpu_loras, lora.allowed_adapter_dir or "any", names)
     logger.info("API key: %s", "required on /v1/*" if args.api_key else "not required")
     logger.info("serving on %s (OpenAI base_url %s/v1; docs %s/openapi.json; metrics %s/metrics)",
                 url, url, url, url)
@@ -135,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Run the OpenAI-compatible HTTP server (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /health, /version, /metrics).")
+                    "/v1/chat/completions, /v1/models, /v1/load_lora_adapter, "
+                    "/v1/unload_lora_adapter, /health, /version, /metrics).")
     add_serve_arguments(serve_parser)
     serve_parser.set_defaults(handler=serve)
     return parser

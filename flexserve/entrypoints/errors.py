@@ -1,7 +1,7 @@
 """One error shape for every failure, OpenAI's: `{"error": {"message", "type", "param", "code"}}`.
 
 Invalid JSON, schema violations and bad values are 400 (never FastAPI-style 422), an unknown
-model is 404, a bad API key 401, an oversized body 413.
+model or LoRA adapter is 404, a bad API key 401, an oversized body 413.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from flexserve.engine.adapter_manager import AdapterLoadError, AdapterNotFoundError
 from flexserve.engine.async_engine import EngineDeadError
 from flexserve.entrypoints.protocol import ErrorInfo, ErrorResponse
 
@@ -63,6 +64,10 @@ def to_api_error(e: Exception) -> APIError:
     """Any exception as the error a client gets (streams report it in-band)."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, AdapterNotFoundError):
+        return APIError(404, str(e), param="model", code="model_not_found")
+    if isinstance(e, AdapterLoadError):
+        return APIError(500, str(e), "server_error", code="lora_load_failed")
     if isinstance(e, ValidationError):
         return validation_error(e)
     if isinstance(e, ValueError):
@@ -150,6 +155,10 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
     return error_response(status, message, kind, None, code, headers=exc.headers)
 
 
+async def _to_api_error(request: Request, exc: Exception) -> JSONResponse:
+    return await _api_error(request, to_api_error(exc))
+
+
 async def _engine_dead(request: Request, exc: Exception) -> JSONResponse:
     return error_response(503, str(exc), "server_error", None, "engine_dead")
 
@@ -163,6 +172,8 @@ async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 EXCEPTION_HANDLERS = {
     APIError: _api_error,
     ValidationError: _validation_error,
+    AdapterNotFoundError: _to_api_error,
+    AdapterLoadError: _to_api_error,
     ValueError: _value_error,
     HTTPException: _http_exception,
     EngineDeadError: _engine_dead,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -10,34 +11,45 @@ from flexserve.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
 )
+from flexserve.engine.adapter_manager import AdapterLoadError
 from flexserve.engine.llm_engine import LLMEngine
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.outputs import RequestOutput
 from flexserve.sampling_params import SamplingParams
 
 Message = dict[str, Any]
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching.
 
-    Keyword arguments are the fields of `ModelConfig`, `CacheConfig` and `SchedulerConfig`
-    (e.g. `dtype`, `max_model_len`, `max_num_batched_tokens`, `num_blocks`, `kv_cache_gib`).
+    Keyword arguments are the fields of `ModelConfig`, `CacheConfig`, `SchedulerConfig` and
+    `LoRAConfig` (e.g. `dtype`, `max_model_len`, `max_num_batched_tokens`, `num_blocks`,
+    `kv_cache_gib`, `max_loras`, `max_lora_rank`); `enable_lora=True` or any LoRA field turns
+    LoRA on, after which `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool = False,
+                 **kwargs: Any) -> None:
         sections = {}
-        for cls in (ModelConfig, CacheConfig, SchedulerConfig):
+        for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig):
             names = set(cls.__dataclass_fields__)
             sections[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
+        lora = None
+        if enable_lora or sections[LoRAConfig]:
+            lora = LoRAConfig(**sections[LoRAConfig])
         config = EngineConfig(
             model=ModelConfig(model=model, **sections[ModelConfig]),
             cache=CacheConfig(**sections[CacheConfig]),
             scheduler=SchedulerConfig(**sections[SchedulerConfig]),
+            lora=lora,
         )
         self.engine = LLMEngine.from_config(config)
 
@@ -49,11 +61,58 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+
+        `lora_request`: one adapter for every prompt, or one per prompt (None: the base model).
+        An adapter not loaded yet is loaded on first use and stays loaded.
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_for(prompt_list, sampling_params)
-        return self._run([(p, None) for p in prompt_list], params_list, use_tqdm)
+        lora_names = self._lora_names_for(len(prompt_list), lora_request)
+        return self._run([(p, None) for p in prompt_list], params_list, use_tqdm, lora_names)
+
+    # ------------------------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter now (it is also loaded on first use); ValueError with the reason."""
+        self._ensure_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter by name; AdapterNotFoundError (a ValueError) when unknown."""
+        self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters (with the ids the engine gave them)."""
+        return list(self.engine.list_loras())
+
+    def _ensure_lora(self, lora_request: LoRARequest) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        loaded = {r.lora_name: r for r in self.engine.list_loras()}
+        existing = loaded.get(lora_request.lora_name)
+        if existing is None:
+            self.engine.add_lora(lora_request.lora_name, lora_request.lora_path)
+        elif os.path.realpath(existing.lora_path) != os.path.realpath(lora_request.lora_path):
+            raise ValueError(
+                f"a different adapter named {lora_request.lora_name!r} is loaded (from "
+                f"{existing.lora_path}); remove it first or choose another name"
+            )
+
+    def _lora_names_for(self, num_prompts: int, lora_request: LoRAArg) -> list[str | None]:
+        if lora_request is None:
+            return [None] * num_prompts
+        if isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * num_prompts
+        else:
+            requests = list(lora_request)
+            if len(requests) != num_prompts:
+                raise ValueError(
+                    f"got {len(requests)} LoRA requests for {num_prompts} prompts")
+        for request in {id(r): r for r in requests if r is not None}.values():
+            self._ensure_lora(request)
+        return [None if r is None else r.lora_name for r in requests]
 
     def chat(
         self,
@@ -63,6 +122,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template."""
         if not messages:
@@ -76,7 +136,8 @@ class LLM:
             )
             prompts.append((processor.encode_chat_prompt(text), text))
         params_list = self._params_for(prompts, sampling_params)
-        return self._run(prompts, params_list, use_tqdm)
+        lora_names = self._lora_names_for(len(prompts), lora_request)
+        return self._run(prompts, params_list, use_tqdm, lora_names)
 
     # -------------------------------------------------------------------------------- internals
     @staticmethod
@@ -95,13 +156,15 @@ class LLM:
         prompts: list[tuple[Any, str | None]],
         params_list: list[SamplingParams],
         use_tqdm: bool,
+        lora_names: list[str | None],
     ) -> list[RequestOutput]:
         engine = self.engine
         ids: list[str] = []
         try:
-            for (prompt, text), params in zip(prompts, params_list):
+            for (prompt, text), params, lora_name in zip(prompts, params_list, lora_names):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, params, prompt_text=text)
+                engine.add_request(request_id, prompt, params, prompt_text=text,
+                                   lora_name=lora_name)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)
@@ -111,7 +174,11 @@ class LLM:
         generated = 0
         try:
             while len(finished) < len(ids):
-                for output in engine.step():
+                outputs = engine.step()
+                failed = engine.pop_failed_requests()
+                if failed:
+                    raise AdapterLoadError(next(iter(failed.values())))
+                for output in outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         generated += sum(len(o.token_ids) for o in output.outputs)

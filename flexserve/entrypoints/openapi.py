@@ -15,14 +15,16 @@ from flexserve.entrypoints.protocol import (
     CompletionResponse,
     ErrorResponse,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 
 _ERRORS = {
     "400": "Invalid JSON, schema violation or bad value",
     "401": "Missing or wrong API key",
-    "404": "Unknown model",
+    "404": "Unknown model or LoRA adapter",
     "413": "Request body too large",
     "503": "The engine has stopped",
 }
@@ -33,6 +35,7 @@ def build_openapi(version: str, api_key_required: bool) -> dict[str, Any]:
     models: list[type[BaseModel]] = [
         CompletionRequest, CompletionResponse, ChatCompletionRequest, ChatCompletionResponse,
         ChatCompletionStreamResponse, ModelList, VersionResponse, HealthResponse, ErrorResponse,
+        LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
     ]
     refs, schema = models_json_schema(
         [(model, "validation") for model in models], ref_template="#/components/schemas/{model}"
@@ -90,6 +93,25 @@ def build_openapi(version: str, api_key_required: bool) -> dict[str, Any]:
                                {"text/plain": {"schema": {"type": "string"}}}),
     }
     paths["/v1/models"]["get"]["security"] = security
+
+    def lora_admin(summary: str, request: type[BaseModel], codes: tuple[str, ...]) -> dict:
+        return {"post": {
+            "summary": summary,
+            "security": security,
+            "requestBody": {"required": True, "content": json_body(request)},
+            "responses": {
+                "200": {"description": "A short confirmation",
+                        "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **errors(codes),
+            },
+        }}
+
+    paths["/v1/load_lora_adapter"] = lora_admin(
+        "Load a LoRA adapter (PEFT directory) and serve it under `lora_name`",
+        LoadLoRAAdapterRequest, ("400", "401", "503"))
+    paths["/v1/unload_lora_adapter"] = lora_admin(
+        "Stop serving a LoRA adapter; requests already using it finish first",
+        UnloadLoRAAdapterRequest, ("400", "401", "404", "503"))
     return {
         "openapi": "3.1.0",
         "info": {"title": "flexserve", "version": version,

@@ -237,7 +237,7 @@ class ModelCard(OpenAIModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "flexserve"
-    root: str | None = None  # the base model the served name resolves to
+    root: str | None = None  # the base model the served name resolves to; for adapters, its path
     parent: str | None = None  # for adapters: the model they sit on; null for base models
     max_model_len: int | None = None
 
@@ -245,6 +245,21 @@ class ModelCard(OpenAIModel):
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------- LoRA adapters
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """`POST /v1/load_lora_adapter` (vLLM's shape)."""
+
+    lora_name: str = Field(min_length=1)  # the `model` requests will use
+    lora_path: str = Field(min_length=1)  # PEFT directory on the server's file system
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's shape; `lora_int_id` is accepted and ignored)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class VersionResponse(OpenAIModel):
@@ -255,7 +270,8 @@ class HealthResponse(OpenAIModel):
     status: Literal["ok"] = "ok"
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, LoadLoRAAdapterRequest,
+                  UnloadLoRAAdapterRequest)
 RESPONSE_MODELS = (
     CompletionResponse, ChatCompletionResponse, ChatCompletionStreamResponse, ModelList,
     VersionResponse, HealthResponse, ErrorResponse,

@@ -42,9 +42,13 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.info.max_model_len
 
-    def check_model(self, model: str) -> None:
-        if model not in self.served_model_names:
-            raise model_not_found(model)
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names (None for the base model); 404 for unknown names."""
+        if model in self.served_model_names:
+            return None
+        if self.engine.lora_enabled and model in {r.lora_name for r in self.engine.list_loras()}:
+            return model
+        raise model_not_found(model)
 
     def sampling_params(
         self,
@@ -97,10 +101,11 @@ class OpenAIServing:
         prompt_param: str,
         max_tokens_param: str,
         prompt_text: str | None = None,
+        lora_name: str | None = None,
     ) -> PreparedRequest:
         """Tokenize and validate one prompt; prompt plus max_tokens must fit the context."""
         try:
-            prepared = self.engine.prepare(request_id, prompt, params, prompt_text)
+            prepared = self.engine.prepare(request_id, prompt, params, prompt_text, lora_name)
         except ValueError as e:
             code = "context_length_exceeded" if "context length" in str(e) else None
             raise bad_request(str(e), param=prompt_param, code=code) from e

@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         if request.tools:
             raise bad_request("tools are not supported", param="tools")
         if request.response_format is not None and request.response_format.type != "text":
@@ -79,7 +79,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(str(e), param="messages") from e
         request_id = random_id("chatcmpl")
         prepared = self.prepare(request_id, token_ids, params, "messages", max_tokens_param,
-                                prompt_text=text)
+                                prompt_text=text, lora_name=lora_name)
         generator = self.engine.generate(prepared)
         created = now_s()
         if request.stream:

@@ -35,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Turns a `CompletionRequest` into engine requests and their results into OpenAI's shape."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_model(request.model)
+        lora_name = self.check_model(request.model)
         n = 1 if request.n is None else request.n
         if request.best_of is not None and request.best_of != n:
             raise bad_request("best_of is not supported (only best_of == n)", param="best_of")
@@ -50,7 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         request_id = random_id("cmpl")
         prepared = [
-            self.prepare(f"{request_id}-{i}", prompt, params, "prompt", "max_tokens")
+            self.prepare(f"{request_id}-{i}", prompt, params, "prompt", "max_tokens",
+                         lora_name=lora_name)
             for i, prompt in enumerate(prompts)
         ]
         generators = [self.engine.generate(p) for p in prepared]

@@ -244,7 +244,7 @@ class Attention(nn.Module):
         """query [T, H*D], key/value [T, KV*D] -> [T, H*D]; metadata from the forward context."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache is bound to this layer; call model.bind_kv_caches()")
-        metadata: AttentionMetadata = get_forward_context()
+        metadata: AttentionMetadata = get_forward_context().attn_metadata
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_dim)
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)

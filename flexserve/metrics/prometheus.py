@@ -54,6 +54,7 @@ class PrometheusStatLogger:
         model_name: str,
         max_num_batched_tokens: int = 2048,
         registry: CollectorRegistry | None = None,
+        enable_lora: bool = False,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
@@ -120,6 +121,22 @@ class PrometheusStatLogger:
         }
         self._request_success_family = request_success
 
+        # LoRA families exist only when LoRA is enabled: a base-only server exposes none.
+        self.lora_requests_running: Gauge | None = None
+        self.lora_adapters_loaded: dict[str, Gauge] = {}
+        self._lora_names: set[str] = set()  # adapter names with a lora_requests_running child
+        if enable_lora:
+            self.lora_requests_running = Gauge(
+                "flexserve:lora_requests_running",
+                "Running requests per LoRA adapter (0 for a loaded adapter that is idle).",
+                labels + ["lora_name"], registry=r, multiprocess_mode="mostrecent")
+            loaded = Gauge(
+                "flexserve:lora_adapters_loaded",
+                "LoRA adapters loaded: where=gpu in device slots, where=cpu in host memory.",
+                labels + ["where"], registry=r, multiprocess_mode="mostrecent")
+            self.lora_adapters_loaded = {
+                where: loaded.labels(model_name, where) for where in ("gpu", "cpu")}
+
     def record(self, stats: IterationStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
@@ -134,6 +151,8 @@ class PrometheusStatLogger:
         if stats.step_latency is not None:
             self.iteration_latency.observe(stats.step_latency)
             self.iteration_tokens.observe(stats.num_batched_tokens)
+        if self.lora_requests_running is not None and stats.lora_requests_running is not None:
+            self._record_lora(stats)
         for ttft in stats.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in stats.inter_token_latencies:
@@ -150,6 +169,17 @@ class PrometheusStatLogger:
             self.e2e_request_latency.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.request_queue_time.observe(finished.queue_time)
+
+    def _record_lora(self, stats: IterationStats) -> None:
+        assert self.lora_requests_running is not None
+        running = stats.lora_requests_running or {}
+        for name, count in running.items():
+            self.lora_requests_running.labels(self.model_name, name).set(count)
+        for name in self._lora_names - running.keys():  # unloaded: drop the series
+            self.lora_requests_running.remove(self.model_name, name)
+        self._lora_names = set(running)
+        self.lora_adapters_loaded["gpu"].set(stats.num_loras_gpu)
+        self.lora_adapters_loaded["cpu"].set(stats.num_loras_cpu)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text of this logger's registry and its content type."""

@@ -8,6 +8,7 @@ import time
 import torch
 
 from flexserve.config import EngineConfig
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult, TokenLogprobs
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
@@ -24,6 +25,8 @@ from flexserve.worker.kv_cache import (
     allocate_kv_caches,
     num_blocks_from_memory,
 )
+from flexserve.worker.lora_manager import LoRAManager
+from flexserve_kernels.lora_meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,11 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
+        # Before the KV cache is sized, so the slots' memory is accounted for.
+        self.lora_manager = None
+        if config.lora is not None:
+            self.lora_manager = LoRAManager(
+                self.model, config.lora, self.hf_config, self.device, self.dtype)
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
 
@@ -95,9 +103,12 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         metadata = AttentionMetadata.build(query_lens, [0] * num_rows, tables, self.block_size, self.device)
+        # Every token through slot 0 (zeros): the LoRA path's activations count in the peak.
+        lora_meta = None if self.lora_manager is None else LoRAKernelMeta.build(
+            query_lens, [0] * num_rows, self.device)
         input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
         positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, lora_meta):
             hidden = self.model(input_ids, positions)
         logits = self.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
         torch.softmax(logits, dim=-1)
@@ -113,7 +124,10 @@ class ModelRunner:
     def execute(self, plan: BatchPlan) -> StepResult:
         """Run every row of the plan in one forward; sample rows that reached their end."""
         start = time.perf_counter()
+        result = StepResult()
         rows = plan.sequences
+        if plan.lora_slot_loads:
+            result.lora_load_errors = self._lora().load_slots(plan.lora_slot_loads)
         input_ids, positions = self._prepare_inputs(rows)
         metadata = AttentionMetadata.build(
             [r.num_scheduled_tokens for r in rows],
@@ -122,9 +136,12 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        with set_forward_context(metadata):
+        lora_meta = None
+        if self.lora_manager is not None and any(r.lora_slot >= 0 for r in rows):
+            lora_meta = LoRAKernelMeta.build(
+                [r.num_scheduled_tokens for r in rows], [r.lora_slot for r in rows], self.device)
+        with set_forward_context(metadata, lora_meta):
             hidden = self.model(input_ids, positions)
-        result = StepResult()
         last_token_index = metadata.query_start_loc[1:] - 1
         sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
         if sample_rows:
@@ -134,6 +151,23 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         result.execute_time = time.perf_counter() - start
         return result
+
+    # ---------------------------------------------------------------------------------------- LoRA
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and validate an adapter into host memory (thread-safe); ValueError with reason."""
+        self._lora().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora().remove(lora_int_id)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return 0 if self.lora_manager is None else self.lora_manager.num_cpu_loras
+
+    def _lora(self) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled in this engine")
+        return self.lora_manager
 
     def _prepare_inputs(self, rows: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []

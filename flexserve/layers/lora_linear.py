@@ -1,0 +1,83 @@
+"""A frozen backbone linear plus a batched LoRA bypass: every token adds its own adapter's delta.
+
+    y = x W^T + b                                 one GEMM for all tokens of the step
+    s = shrink(x, A[slot(t)])                     [T, max_rank]; tokens without adapter: skipped
+    y += scaling[slot(t)] * s B[slot(t)]^T        in place, per same-slot segment
+
+Adapters live in `max_loras` device slots of width `max_rank` (rank r < max_rank is zero-padded,
+which adds exact zeros). Which slot each token uses comes from the step's `LoRAKernelMeta`, built
+once by the model runner and read here from the forward context. A step whose tokens all use the
+base model runs only the GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexserve.layers.forward_context import get_forward_context
+from flexserve_kernels.lora_ops import lora_expand, lora_shrink
+
+
+class LoRALinear(nn.Module):
+    """Replaces an `nn.Linear`, sharing its `weight` and `bias` Parameters (same names, so
+    checkpoints load unchanged), and adds slot-stacked LoRA weights as non-persistent buffers."""
+
+    def __init__(self, base: nn.Linear, max_loras: int, max_rank: int) -> None:
+        super().__init__()
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        device, dtype = base.weight.device, base.weight.dtype
+        # Layouts of the kernels' contract: A [slots, max_rank, in], B [slots, out, max_rank].
+        self.register_buffer("lora_a", torch.zeros(
+            max_loras, max_rank, self.in_features, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(
+            max_loras, self.out_features, max_rank, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("scaling", torch.zeros(
+            max_loras, device=device, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        y = F.linear(x, self.weight, self.bias)
+        meta = get_forward_context().lora_meta
+        if meta is None or not meta.has_lora:
+            return y
+        return lora_expand(lora_shrink(x, self.lora_a, meta), self.lora_b, meta, y, self.scaling)
+
+    @torch.no_grad()
+    def set_slot(
+        self, slot: int, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+        scaling: float = 0.0,
+    ) -> None:
+        """Copy one adapter's A [r, in] and B [out, r] into `slot`; None clears it (no bypass)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is out of range [0, {self.max_loras})")
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if lora_a is None or lora_b is None:
+            self.scaling[slot] = 0.0
+            return
+        rank = lora_a.shape[0]
+        if (
+            rank > self.max_rank
+            or tuple(lora_a.shape) != (rank, self.in_features)
+            or tuple(lora_b.shape) != (self.out_features, rank)
+        ):
+            raise ValueError(
+                f"LoRA weights A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} do not fit a "
+                f"{self.in_features} -> {self.out_features} linear with max rank {self.max_rank}"
+            )
+        self.lora_a[slot, :rank].copy_(lora_a, non_blocking=True)
+        self.lora_b[slot, :, :rank].copy_(lora_b, non_blocking=True)
+        self.scaling[slot] = scaling
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, max_loras={self.max_loras}, max_rank={self.max_rank}"
+        )

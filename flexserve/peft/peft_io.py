@@ -1,0 +1,258 @@
+"""LoRA adapters in the `peft` format: `adapter_config.json` + `adapter_model.safetensors`.
+
+Reading checks everything a server must not trust: the files exist, the config is a plain LoRA
+(no DoRA, biases, extra saved modules or per-module ranks), every tensor targets one of the seven
+projections a Llama-family layer has, the shapes fit the loaded model, and the rank fits the slots.
+Each problem is a `ValueError` whose message says what is wrong. Pickled `adapter_model.bin`
+files are refused: loading them would run arbitrary code from a user-supplied directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+from flexserve.peft.bypass import TARGET_MODULES
+from flexserve.peft.lora import LoRAAdapter
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+
+# PEFT's saved keys: base_model.model.model.layers.{i}.{self_attn|mlp}.{target}.lora_{A|B}.weight
+# (an adapter saved from a bare LlamaModel lacks one `model.`; a named one may keep `.default`).
+_KEY = re.compile(
+    r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.lora_(A|B)(?:\.default)?\.weight$"
+)
+# Config entries that change what the adapter computes; a truthy value is refused.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "a bias on lora_B (lora_bias)",
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "fan_in_fan_out": "transposed (Conv1D) weights (fan_in_fan_out)",
+    "layer_replication": "layer replication (layer_replication)",
+    "target_parameters": "LoRA on raw parameters (target_parameters)",
+    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+}
+_SUPPORTED = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+
+
+def resolve_adapter_dir(path: str, allowed_dir: str | None = None) -> str:
+    """The adapter directory as a real path; ValueError when missing or outside `allowed_dir`.
+
+    Symlinks and `..` are resolved before the containment check, so neither can escape it.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError("the adapter path must be a non-empty string")
+    real = os.path.realpath(os.path.expanduser(path))
+    if allowed_dir is not None:
+        allowed = os.path.realpath(os.path.expanduser(allowed_dir))
+        if os.path.commonpath([real, allowed]) != allowed:
+            raise ValueError(
+                f"adapter path {path!r} is outside the allowed adapter directory "
+                f"(--allowed-adapter-dir {allowed})"
+            )
+    if not os.path.exists(real):
+        raise ValueError(f"adapter directory {path!r} does not exist")
+    if not os.path.isdir(real):
+        raise ValueError(f"adapter path {path!r} is not a directory")
+    return real
+
+
+def read_adapter_config(path: str) -> dict[str, Any]:
+    """The parsed adapter_config.json of a directory; ValueError when missing or malformed."""
+    config_path = os.path.join(path, ADAPTER_CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{ADAPTER_CONFIG_NAME} is missing in adapter directory {path!r}")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {config_path}: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object")
+    return config
+
+
+def parse_lora_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The LoRA hyper-parameters of an adapter config (PEFT's defaults for absent keys).
+
+    Returns {r, lora_alpha, use_rslora, lora_dropout, target_modules, base_model_name_or_path}.
+    """
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"peft_type {peft_type!r} is not supported; only LORA adapters are")
+    rank = config.get("r", 8)
+    if type(rank) is not int or rank <= 0:
+        raise ValueError(f"adapter config: r must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"adapter config: lora_alpha must be a number, got {alpha!r}")
+    dropout = config.get("lora_dropout", 0.0) or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"adapter config: lora_dropout must be in [0, 1), got {dropout!r}")
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        raise ValueError(f"adapter config: bias={bias!r} is not supported (only 'none')")
+    for key, what in _UNSUPPORTED_OPTIONS.items():
+        if config.get(key):
+            raise ValueError(f"adapter config: {what} is not supported")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = [t for t in targets if t not in TARGET_MODULES]
+        if unknown:
+            raise ValueError(
+                f"unsupported LoRA target module(s) {', '.join(map(str, unknown))}; supported: "
+                f"{_SUPPORTED}"
+            )
+    elif targets is not None and not isinstance(targets, str):  # a regex or "all-linear"
+        raise ValueError(
+            f"adapter config: target_modules must be a list or a string, got {targets!r}")
+    return {
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": bool(config.get("use_rslora", False)),
+        "lora_dropout": float(dropout),
+        "target_modules": targets,
+        "base_model_name_or_path": config.get("base_model_name_or_path"),
+    }
+
+
+def load_peft_adapter(
+    path: str,
+    shapes: dict[str, tuple[int, int]] | None = None,
+    num_layers: int | None = None,
+    max_rank: int | None = None,
+    allowed_dir: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> LoRAAdapter:
+    """Read a PEFT LoRA directory into a `LoRAAdapter` on the CPU.
+
+    With `shapes` ((in, out) per target, see `bypass.target_shapes`) and `num_layers` the adapter
+    is checked against the base model; with `max_rank` its rank against the slots. `dtype` casts
+    the weights. Raises ValueError naming the problem.
+    """
+    real = resolve_adapter_dir(path, allowed_dir)
+    options = parse_lora_config(read_adapter_config(real))
+    rank = options["r"]
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(
+            f"the adapter's rank {rank} exceeds max_lora_rank {max_rank} (--max-lora-rank)"
+        )
+    weights = _read_lora_weights(real)
+    ranks = {a.shape[0] for a, _ in weights.values()}
+    if ranks != {rank}:
+        raise ValueError(
+            f"adapter config says r={rank} but lora_A weights have rank(s) {sorted(ranks)}"
+        )
+    if dtype is not None:
+        weights = {k: (a.to(dtype), b.to(dtype)) for k, (a, b) in weights.items()}
+    adapter = LoRAAdapter(
+        rank=rank, lora_alpha=options["lora_alpha"], weights=weights,
+        use_rslora=options["use_rslora"], lora_dropout=options["lora_dropout"],
+        base_model_name_or_path=options["base_model_name_or_path"],
+    )
+    if shapes is not None and num_layers is not None:
+        adapter.check_compatible(shapes, num_layers, max_rank)
+    return adapter
+
+
+def _read_lora_weights(path: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS_NAME)
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise ValueError(
+                f"{ADAPTER_WEIGHTS_NAME} is missing in {path!r}: only safetensors adapters are "
+                "supported (adapter_model.bin is a pickle, which is not loaded for safety)"
+            )
+        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} is missing in adapter directory {path!r}")
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(weights_path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                layer, target, half = _parse_key(key)
+                halves.setdefault((layer, target), {})[half] = f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read {weights_path}: {e}") from e
+    if not halves:
+        raise ValueError(f"{weights_path} holds no LoRA weights")
+    weights = {}
+    for (layer, target), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            missing = "lora_B" if "A" in pair else "lora_A"
+            raise ValueError(f"layer {layer} {target} has no {missing} weight")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"layer {layer} {target}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                "are not a rank-r pair ([r, in] and [out, r])"
+            )
+        weights[(layer, target)] = (a, b)
+    return weights
+
+
+def _parse_key(key: str) -> tuple[int, str, str]:
+    match = _KEY.match(key)
+    if match is None:
+        if "lora_magnitude_vector" in key:
+            raise ValueError(f"tensor {key!r} is a DoRA magnitude; DoRA is not supported")
+        if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
+            raise ValueError(
+                f"tensor {key!r} adapts the embeddings or the LM head; flexserve serves LoRA on "
+                f"{_SUPPORTED} only"
+            )
+        raise ValueError(f"unexpected tensor {key!r} in a LoRA adapter")
+    layer, parent, target, half = match.groups()
+    if TARGET_MODULES.get(target) != parent:
+        raise ValueError(
+            f"tensor {key!r} targets {parent}.{target}; flexserve serves LoRA on {_SUPPORTED} only"
+        )
+    return int(layer), target, half
+
+
+def save_peft_adapter(
+    adapter: LoRAAdapter, path: str, base_model_name_or_path: str | None = None
+) -> None:
+    """Write `adapter` as PEFT does, loadable by `PeftModel.from_pretrained` and by flexserve."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    base = base_model_name_or_path or adapter.base_model_name_or_path
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": adapter.rank,
+        "lora_alpha": adapter.lora_alpha,
+        "lora_dropout": adapter.lora_dropout,
+        "use_rslora": adapter.use_rslora,
+        "target_modules": list(adapter.target_modules),
+        "bias": "none",
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    tensors = {}
+    for (layer, target), (a, b) in sorted(adapter.weights.items()):
+        prefix = f"base_model.model.model.layers.{layer}.{TARGET_MODULES[target]}.{target}"
+        tensors[f"{prefix}.lora_A.weight"] = a.detach().to("cpu").contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.detach().to("cpu").contiguous()
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -1,0 +1,96 @@
+"""The LoRA ops the layers call: SGMV or BGMV Triton kernels on GPU, the torch references on CPU.
+
+Triton is imported only when a kernel is about to run, so the CPU server works without it. On
+CPU the kernels run under Triton's interpreter when TRITON_INTERPRET=1 (the tests); otherwise
+the references in lora_ref.py do the work.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora_ref import check_expand_args, check_shrink_args, lora_expand_ref, lora_shrink_ref
+
+VARIANTS = ("sgmv", "bgmv")
+# Batches of at most this many tokens take BGMV. Measured on an H200 (bf16, Llama-3.1-8B
+# projections, rank 16, benchmarks/lora_kernels.py, 2026-11-21): at 64 decode tokens with one
+# adapter BGMV takes 11-15 us per shrink+expand and SGMV 49-50 us; at 2048 prefill tokens SGMV
+# takes 48-59 us and BGMV 76-341 us. The crossover lies between; 64 is the measured safe side.
+BGMV_MAX_TOKENS = 64
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, *, variant: str | None = None
+) -> torch.Tensor:
+    """s[t] = x[t] @ lora_a[slot(t)].T: x [T, in], lora_a [num_slots, max_rank, in] -> s [T, max_rank].
+
+    s is float32 whatever x's dtype (as in vLLM): it is T x max_rank, small next to x, and the
+    expand then rounds once. Every row is written; rows of tokens without an adapter are zero.
+    Without any adapter in the batch this returns zeros without checking or launching a kernel
+    (one memset; layers should test `meta.has_lora` and skip both ops). `variant` forces "sgmv"
+    or "bgmv" on the Triton path (e.g. a fixed grid for CUDA graphs); by default one-token
+    segments (decode_only) and batches of at most BGMV_MAX_TOKENS tokens take BGMV, the rest
+    SGMV. Raises ValueError on mismatched shapes, dtypes, devices or a last dimension that is not
+    contiguous.
+    """
+    if not meta.has_lora:
+        return torch.zeros(x.shape[0], lora_a.shape[-2], dtype=torch.float32, device=x.device)
+    chosen = _variant(x, meta, variant)
+    if chosen is None:
+        check_shrink_args(x, lora_a, meta)
+        return lora_shrink_ref(x, lora_a, meta)
+    # The launchers check their inputs; checking here too would double ~3-4 us of host time.
+    from flexserve_kernels import lora_shrink as kernels
+
+    if chosen == "bgmv":
+        return kernels.lora_shrink_bgmv(x, lora_a, meta)
+    return kernels.lora_shrink_sgmv(x, lora_a, meta)
+
+
+def lora_expand(
+    s: torch.Tensor,
+    lora_b: torch.Tensor,
+    meta: LoRAKernelMeta,
+    y: torch.Tensor,
+    scaling: torch.Tensor,
+    *,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """y[t] += scaling[slot(t)] * s[t] @ lora_b[slot(t)].T in place; returns y.
+
+    s [T, max_rank] float32 or y's dtype; lora_b [num_slots, out, max_rank] in y's dtype;
+    y [T, out] (a column slice of a wider output is fine: only its last dimension must be
+    contiguous); scaling [num_slots] float32. Rows of tokens without an adapter are not touched,
+    and a batch without adapters returns at once. `variant` as in `lora_shrink`. Slots in the
+    metadata must be < num_slots (not checked: it would need a device sync).
+    """
+    if not meta.has_lora:
+        return y
+    chosen = _variant(y, meta, variant)
+    if chosen is None:
+        check_expand_args(s, lora_b, meta, y, scaling)
+        return lora_expand_ref(s, lora_b, meta, y, scaling)
+    from flexserve_kernels import lora_expand as kernels
+
+    if chosen == "bgmv":
+        return kernels.lora_expand_bgmv(s, lora_b, meta, y, scaling)
+    return kernels.lora_expand_sgmv(s, lora_b, meta, y, scaling)
+
+
+def _variant(t: torch.Tensor, meta: LoRAKernelMeta, variant: str | None) -> str | None:
+    """The Triton kernel to run on t's device, or None for the torch reference."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+    if t.device.type == "cuda" or (t.device.type == "cpu" and interpret_requested()):
+        if variant is not None:
+            return variant
+        return "bgmv" if meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS else "sgmv"
+    return None
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (parsed as Triton does)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
