@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--num-adapters", type=int, nargs="+", default=[0, 1, 8])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--repeats", type=int, default=3, help="round-robin repetitions (median)")
     parser.add_argument("--out", default=None, help="append JSON lines here")
     args = parser.parse_args()
 
@@ -92,22 +93,33 @@ def main() -> None:
     results = []
     for batch in tqdm(args.batch_sizes, desc="batch sizes"):
         prompts = torch.randint(100, hf_config.vocab_size - 100, (batch, args.input_len), generator=g).tolist()
-        for num_adapters in args.num_adapters:
-            loras = [adapters[i % num_adapters] if num_adapters else None for i in range(batch)]
-            params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-            one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        loras_for = {
+            n: [adapters[i % n] if n else None for i in range(batch)] for n in args.num_adapters
+        }
+        for loras in loras_for.values():
             llm.generate(prompts, one, lora_request=loras, use_tqdm=False)  # warm-up, loads slots
-            t0 = time.perf_counter()
-            llm.generate(prompts, one, lora_request=loras, use_tqdm=False)
-            prefill_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-            total_s = time.perf_counter() - t0
+        # Decode here is bound by host-side launches, whose speed drifts over seconds: measure the
+        # configurations round-robin, several times, and keep each one's median.
+        samples: dict[int, list[tuple[float, float]]] = {n: [] for n in args.num_adapters}
+        for _ in range(args.repeats):
+            for n, loras in loras_for.items():
+                t0 = time.perf_counter()
+                llm.generate(prompts, one, lora_request=loras, use_tqdm=False)
+                prefill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+                samples[n].append((prefill_s, time.perf_counter() - t0))
+        for n, runs in samples.items():
+            tpots = sorted((total - prefill) / (args.output_len - 1) for prefill, total in runs)
+            totals = sorted(total for _, total in runs)
             row = {
-                "batch": batch, "num_adapters": num_adapters, "rank": args.rank,
+                "batch": batch, "num_adapters": n, "rank": args.rank, "repeats": args.repeats,
                 "input_len": args.input_len, "output_len": args.output_len,
-                "tpot_ms": round((total_s - prefill_s) / (args.output_len - 1) * 1e3, 3),
-                "output_tok_s": round(batch * args.output_len / total_s, 1),
+                "tpot_ms": round(tpots[len(tpots) // 2] * 1e3, 3),
+                "tpot_ms_min": round(tpots[0] * 1e3, 3), "tpot_ms_max": round(tpots[-1] * 1e3, 3),
+                "output_tok_s": round(batch * args.output_len / totals[len(totals) // 2], 1),
             }
             print(json.dumps(row), flush=True)
             results.append(row)
@@ -116,10 +128,11 @@ def main() -> None:
             for row in results:
                 f.write(json.dumps(row) + "\n")
     base = {r["batch"]: r["tpot_ms"] for r in results if r["num_adapters"] == 0}
-    print(f"{'batch':>5} {'adapters':>8} {'TPOT ms':>8} {'vs base':>8} {'out tok/s':>10}")
+    print(f"{'batch':>5} {'adapters':>8} {'TPOT ms':>8} {'min-max':>15} {'vs base':>8} {'out tok/s':>10}")
     for r in results:
         overhead = f"{r['tpot_ms'] / base[r['batch']] - 1:+.1%}" if r["batch"] in base else "-"
-        print(f"{r['batch']:>5} {r['num_adapters']:>8} {r['tpot_ms']:>8} {overhead:>8} {r['output_tok_s']:>10}")
+        spread = f"{r['tpot_ms_min']}-{r['tpot_ms_max']}"
+        print(f"{r['batch']:>5} {r['num_adapters']:>8} {r['tpot_ms']:>8} {spread:>15} {overhead:>8} {r['output_tok_s']:>10}")
 
 
 if __name__ == "__main__":
