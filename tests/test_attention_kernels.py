@@ -14,7 +14,6 @@ as NaN: a read outside a row's keys, or a token left unwritten, fails the compar
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _triton_interpret import import_kernels, interpret_or_defer, library_is_compiled, run_module_in_child
 
 _KERNEL_MODULES = (
     "flexserve_kernels.decode_attention",  # before paged_attention, which imports from it
@@ -31,28 +31,7 @@ _KERNEL_MODULES = (
 
 
 def _import_kernels(interpret: bool):
-    """The kernel modules, decorated for the interpreter when `interpret` (reloaded if another
-    module imported them first without it)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-
-        modules = []
-        for name in _KERNEL_MODULES:
-            module = sys.modules.get(name)
-            if module is None:
-                module = importlib.import_module(name)
-            elif interpret and any(isinstance(v, triton.runtime.JITFunction) for v in vars(module).values()):
-                module = importlib.reload(module)
-            modules.append(module)
-        return modules
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    return import_kernels(_KERNEL_MODULES, interpret)
 
 
 decode_mod, paged_mod, kv_mod = _import_kernels(interpret=not torch.cuda.is_available())
@@ -65,7 +44,7 @@ from flexserve.layers.forward_context import set_forward_context  # noqa: E402
 INTERPRETED = not isinstance(decode_mod._decode_attention_kernel, triton.runtime.JITFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 # Triton's own library was decorated without the interpreter: it cannot run interpreted here.
-RUN_IN_CHILD = INTERPRETED and isinstance(triton.language.zeros, triton.runtime.JITFunction)
+RUN_IN_CHILD = INTERPRETED and library_is_compiled()
 # The interpreter's tl.dot multiplies bfloat16 bit patterns (triton-lang/triton#11584): bf16
 # attention is checked on the GPU only; fp16 is the interpreter's 16-bit case.
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
@@ -79,19 +58,12 @@ TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 5e-3), torch.bfl
 
 @pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
 def test_module_in_interpreter_child_process():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_module_in_child(__file__)
 
 
 @pytest.fixture(autouse=True)
 def _triton_interpret(request, monkeypatch):
-    if RUN_IN_CHILD and request.node.originalname != "test_module_in_interpreter_child_process":
-        pytest.skip("runs in test_module_in_interpreter_child_process")
-    if INTERPRETED:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
 
 
 # ------------------------------------------------------------------------------------ batches

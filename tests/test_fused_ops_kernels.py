@@ -14,14 +14,11 @@ instead of rounding to nearest (numpy has no bf16), so interpreted bf16 allows a
 
 from __future__ import annotations
 
-import importlib
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _triton_interpret import import_kernels, interpret_or_defer, library_is_compiled, run_module_in_child
 
 _KERNEL_MODULES = (
     "flexserve_kernels.rmsnorm",
@@ -31,28 +28,7 @@ _KERNEL_MODULES = (
 
 
 def _import_kernels(interpret: bool):
-    """The kernel modules, decorated for the interpreter when `interpret` (reloaded if another
-    module imported them first without it)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-
-        modules = []
-        for name in _KERNEL_MODULES:
-            module = sys.modules.get(name)
-            if module is None:
-                module = importlib.import_module(name)
-            elif interpret and any(isinstance(v, triton.runtime.JITFunction) for v in vars(module).values()):
-                module = importlib.reload(module)
-            modules.append(module)
-        return modules
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    return import_kernels(_KERNEL_MODULES, interpret)
 
 
 rms_mod, rope_mod, act_mod = _import_kernels(interpret=not torch.cuda.is_available())
@@ -64,7 +40,7 @@ from flexserve.layers.rotary import RotaryEmbedding, compute_inv_freq, get_rope_
 
 INTERPRETED = not isinstance(rms_mod._rmsnorm_kernel, triton.runtime.JITFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
-RUN_IN_CHILD = INTERPRETED and isinstance(triton.language.zeros, triton.runtime.JITFunction)
+RUN_IN_CHILD = INTERPRETED and library_is_compiled()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 # (atol, rtol) on O(1) values: one ulp of each dtype (bf16 2^-7 relative, fp16 2^-10), or three
@@ -81,19 +57,12 @@ BITWISE = {torch.float32: INTERPRETED, torch.float16: True, torch.bfloat16: not 
 
 @pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
 def test_module_in_interpreter_child_process():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_module_in_child(__file__)
 
 
 @pytest.fixture(autouse=True)
 def _triton_interpret(request, monkeypatch):
-    if RUN_IN_CHILD and request.node.originalname != "test_module_in_interpreter_child_process":
-        pytest.skip("runs in test_module_in_interpreter_child_process")
-    if INTERPRETED:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -17,7 +17,6 @@ adapter and never reads s or y elsewhere (poisoned with NaN here).
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from _triton_interpret import import_kernels, interpret_or_defer, library_is_compiled, run_module_in_child
 
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
@@ -33,28 +33,7 @@ _KERNEL_MODULES = ("flexserve_kernels.lora_shrink", "flexserve_kernels.lora_expa
 
 
 def _import_kernels(interpret: bool):
-    """The kernel modules, decorated for the interpreter when `interpret` (reloaded if another
-    module imported them first without it)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-
-        modules = []
-        for name in _KERNEL_MODULES:
-            module = sys.modules.get(name)
-            if module is None:
-                module = importlib.import_module(name)
-            elif interpret and any(isinstance(v, triton.runtime.JITFunction) for v in vars(module).values()):
-                module = importlib.reload(module)
-            modules.append(module)
-        return modules
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    return import_kernels(_KERNEL_MODULES, interpret)
 
 
 shrink_kernels, expand_kernels = _import_kernels(interpret=not torch.cuda.is_available())
@@ -68,26 +47,17 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 VARIANTS = [None, "sgmv", "bgmv"]
 # Another module imported Triton first, outside the interpreter: its library cannot run
 # interpreted in this process, so the whole module runs in a child process instead.
-RUN_IN_CHILD = INTERPRETED and isinstance(triton.language.zeros, triton.runtime.JITFunction)
+RUN_IN_CHILD = INTERPRETED and library_is_compiled()
 
 
 @pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
 def test_module_in_interpreter_child_process():
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run_module_in_child(__file__)
 
 
 @pytest.fixture(autouse=True)
 def _triton_interpret(request, monkeypatch):
-    if RUN_IN_CHILD and request.node.originalname != "test_module_in_interpreter_child_process":
-        pytest.skip("runs in test_module_in_interpreter_child_process")
-    if INTERPRETED:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
 
 
 @dataclass(frozen=True)

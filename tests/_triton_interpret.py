@@ -1,0 +1,78 @@
+"""Running Triton kernels under the interpreter (TRITON_INTERPRET=1) inside a pytest session.
+
+Triton decides at decoration time whether a kernel is interpreted, and transformers may import
+Triton first, outside the interpreter. So a kernel test module imports its kernel modules through
+`import_kernels` (reloading them with the interpreter on when needed); and if Triton's own library
+was already decorated for compilation, the module reruns itself in a child process
+(`run_module_in_child`), where everything is interpreted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+
+
+def import_kernels(names: tuple[str, ...], interpret: bool) -> list[ModuleType]:
+    """The kernel modules, decorated for the interpreter when `interpret`."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        modules = []
+        for name in names:
+            module = sys.modules.get(name)
+            if module is None:
+                module = importlib.import_module(name)
+            elif interpret and any(isinstance(v, triton.runtime.JITFunction) for v in vars(module).values()):
+                module = importlib.reload(module)
+            modules.append(module)
+        return modules
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def is_interpreted(kernel: object) -> bool:
+    """A kernel decorated under the interpreter is not a compiling JITFunction."""
+    import triton
+
+    return not isinstance(kernel, triton.runtime.JITFunction)
+
+
+def library_is_compiled() -> bool:
+    """Triton's own library was decorated for compilation: it cannot run interpreted here."""
+    import triton
+
+    return isinstance(triton.language.zeros, triton.runtime.JITFunction)
+
+
+CHILD_TEST_NAME = "test_module_in_interpreter_child_process"
+
+
+def run_module_in_child(path: str) -> None:
+    """Run a test module with TRITON_INTERPRET=1 in a fresh interpreter; fail with its output."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def interpret_or_defer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                       interpreted: bool, run_in_child: bool) -> None:
+    """Body of each kernel module's autouse fixture: skip tests the child process runs, and keep
+    TRITON_INTERPRET set while an interpreted test launches kernels."""
+    if run_in_child and request.node.originalname != CHILD_TEST_NAME:
+        pytest.skip(f"runs in {CHILD_TEST_NAME}")
+    if interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
