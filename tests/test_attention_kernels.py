@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from _triton_interpret import import_kernels, interpret_or_defer, library_is_compiled, run_module_in_child
+from _triton_interpret import (
+    import_kernels,
+    interpret_or_defer,
+    is_interpreted,
+    library_is_compiled,
+    run_module_in_child,
+)
 
 _KERNEL_MODULES = (
     "flexserve_kernels.decode_attention",  # before paged_attention, which imports from it
@@ -30,18 +36,14 @@ _KERNEL_MODULES = (
 )
 
 
-def _import_kernels(interpret: bool):
-    return import_kernels(_KERNEL_MODULES, interpret)
-
-
-decode_mod, paged_mod, kv_mod = _import_kernels(interpret=not torch.cuda.is_available())
+decode_mod, paged_mod, kv_mod = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 
 import triton  # noqa: E402
 
 from flexserve.layers.attention import Attention, AttentionMetadata, write_kv_cache  # noqa: E402
 from flexserve.layers.forward_context import set_forward_context  # noqa: E402
 
-INTERPRETED = not isinstance(decode_mod._decode_attention_kernel, triton.runtime.JITFunction)
+INTERPRETED = is_interpreted(decode_mod._decode_attention_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 # Triton's own library was decorated without the interpreter: it cannot run interpreted here.
 RUN_IN_CHILD = INTERPRETED and library_is_compiled()

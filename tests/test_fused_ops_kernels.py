@@ -18,7 +18,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _triton_interpret import import_kernels, interpret_or_defer, library_is_compiled, run_module_in_child
+from _triton_interpret import (
+    import_kernels,
+    interpret_or_defer,
+    is_interpreted,
+    library_is_compiled,
+    run_module_in_child,
+)
 
 _KERNEL_MODULES = (
     "flexserve_kernels.rmsnorm",
@@ -27,18 +33,12 @@ _KERNEL_MODULES = (
 )
 
 
-def _import_kernels(interpret: bool):
-    return import_kernels(_KERNEL_MODULES, interpret)
-
-
-rms_mod, rope_mod, act_mod = _import_kernels(interpret=not torch.cuda.is_available())
-
-import triton  # noqa: E402
+rms_mod, rope_mod, act_mod = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 
 from flexserve.layers.rmsnorm import RMSNorm  # noqa: E402
 from flexserve.layers.rotary import RotaryEmbedding, compute_inv_freq, get_rope_parameters  # noqa: E402
 
-INTERPRETED = not isinstance(rms_mod._rmsnorm_kernel, triton.runtime.JITFunction)
+INTERPRETED = is_interpreted(rms_mod._rmsnorm_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 RUN_IN_CHILD = INTERPRETED and library_is_compiled()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

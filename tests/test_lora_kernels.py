@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from _triton_interpret import import_kernels, interpret_or_defer, library_is_compiled, run_module_in_child
+from _triton_interpret import (
+    import_kernels,
+    interpret_or_defer,
+    is_interpreted,
+    library_is_compiled,
+    run_module_in_child,
+)
 
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
@@ -32,16 +38,12 @@ from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
 _KERNEL_MODULES = ("flexserve_kernels.lora_shrink", "flexserve_kernels.lora_expand")
 
 
-def _import_kernels(interpret: bool):
-    return import_kernels(_KERNEL_MODULES, interpret)
-
-
-shrink_kernels, expand_kernels = _import_kernels(interpret=not torch.cuda.is_available())
+shrink_kernels, expand_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 from flexserve_kernels import lora_ops  # noqa: E402  (after the kernels are decorated)
 
 import triton  # noqa: E402
 
-INTERPRETED = not isinstance(shrink_kernels._lora_shrink_sgmv_kernel, triton.runtime.JITFunction)
+INTERPRETED = is_interpreted(shrink_kernels._lora_shrink_sgmv_kernel)
 # Interpreted kernels run on CPU tensors; compiled ones on the GPU (the lead's CI for this file).
 DEVICE = "cpu" if INTERPRETED else "cuda"
 VARIANTS = [None, "sgmv", "bgmv"]
