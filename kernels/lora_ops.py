@@ -7,10 +7,9 @@ the references in lora_ref.py do the work.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_ref import check_expand_args, check_shrink_args, lora_expand_ref, lora_shrink_ref
 
@@ -84,13 +83,9 @@ def _variant(t: torch.Tensor, meta: LoRAKernelMeta, variant: str | None) -> str 
     """The Triton kernel to run on t's device, or None for the torch reference."""
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
-    if t.device.type == "cuda" or (t.device.type == "cpu" and interpret_requested()):
+    if use_triton(t.device):
         if variant is not None:
             return variant
         return "bgmv" if meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS else "sgmv"
     return None
 
-
-def interpret_requested() -> bool:
-    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (parsed as Triton does)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")

@@ -136,7 +136,8 @@ def test_rmsnorm_fp32_weight_promotes_like_the_module():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_rmsnorm_reference_is_the_module(dtype):
+def test_rmsnorm_reference_is_the_module(dtype, monkeypatch):
+    monkeypatch.setenv("FLEXSERVE_KERNELS", "torch")  # the module's torch path, not the kernel
     norm = RMSNorm(100, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(100) + 0.5)

@@ -11,6 +11,9 @@ block_table[p // block_size] * block_size + p % block_size. Every layer first wr
 tokens' K/V at `slot_mapping`, then reads each row's whole context through its block table, so a
 row can read K/V that another row wrote in the same step (prefix-cache sharing relies on that).
 
+Where `use_triton` says so (CUDA), the Triton kernels of flexserve_kernels do the work: one fused
+K/V cache write, then varlen prefill attention for rows with several new tokens and split-K
+decode attention for one-token rows, straight from the block tables (no padding, no gather).
 `paged_attention_ref` is the plain-torch reference: the test oracle for the Triton kernels and the
 path used where none is available. It pads rows to one shape per SDPA call, with decode rows and
 the other rows padded separately (at most two calls per layer). All its index tensors are built
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexserve.layers.forward_context import get_forward_context
+from flexserve_kernels.dispatch import use_triton
 
 
 @dataclass(slots=True)
@@ -54,7 +58,8 @@ class AttentionMetadata:
     max_query_len: int  # largest q_b
     max_seq_len: int  # largest seq_len_b
     block_size: int  # tokens per cache block
-    row_groups: list[PaddedRowGroup]  # reference path only: 1 or 2 groups covering all rows
+    row_groups: list[PaddedRowGroup]  # torch path only: 1 or 2 groups covering all rows; else []
+    decode_num_splits: int | None = None  # Triton decode splits; None: chosen per launch
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +120,7 @@ class AttentionMetadata:
         device = torch.device(device)
         is_decode = q_lens == 1
         groups = [is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]]
-        groups = [rows for rows in groups if rows.numel() > 0]
+        groups = [] if use_triton(device) else [rows for rows in groups if rows.numel() > 0]
         row_groups = [
             _padded_group(rows, q_lens, ctx_lens, tables, query_start_loc, block_size, device,
                           covers_all=len(groups) == 1)
@@ -249,8 +254,19 @@ class Attention(nn.Module):
         q = query.view(num_tokens, self.num_heads, self.head_dim)
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        if use_triton(q.device):
+            from flexserve_kernels.kv_cache_write import kv_cache_write
+            from flexserve_kernels.paged_attention import paged_attention
+
+            kv_cache_write(k, v, self.kv_cache, metadata.slot_mapping)
+            out = paged_attention(
+                q, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens,
+                metadata.block_tables, metadata.max_query_len, self.scale,
+                num_splits=metadata.decode_num_splits,
+            )
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping)
         groups = metadata.row_groups
         if len(groups) == 1 and groups[0].token_index is None:
             g = groups[0]

@@ -1,9 +1,15 @@
-"""RMSNorm as HF LlamaRMSNorm: normalize in fp32, cast back, then scale by the weight."""
+"""RMSNorm as HF LlamaRMSNorm: normalize in fp32, cast back, then scale by the weight.
+
+Where `use_triton` says so (CUDA), one fused Triton kernel (flexserve_kernels.rmsnorm) does the
+residual add and the norm with the same roundings; elsewhere the torch code below.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from flexserve_kernels.dispatch import use_triton
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +27,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x.device):
+            from flexserve_kernels.rmsnorm import rmsnorm
+
+            return rmsnorm(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

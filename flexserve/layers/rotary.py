@@ -10,10 +10,13 @@ gathered at the step's positions once per forward, then shared by all layers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from flexserve_kernels.dispatch import use_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_THETA = 10000.0
@@ -161,6 +164,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scaling = compute_inv_freq(get_rope_parameters(config), head_dim, max_len)
         return cls(head_dim, max_position or max_len, inv_freq, scaling)
 
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeInputs:
+        """What every layer's rotation of this forward needs; built once per forward."""
+        if use_triton(positions.device):
+            return RopeInputs(positions, self.cos_sin_cache, self.head_dim)
+        cos, sin = self.get_cos_sin(positions, dtype)
+        return RopeInputs(positions, self.cos_sin_cache, self.head_dim, cos, sin)
+
     def get_cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +188,27 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+@dataclass(slots=True)
+class RopeInputs:
+    """One forward's rotary inputs: positions and the fp32 cache for the in-place Triton kernel,
+    or cos/sin gathered once (torch path)."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] float32: cos | sin
+    head_dim: int
+    cos: torch.Tensor | None = None  # [T, 1, head_dim // 2] on the torch path
+    sin: torch.Tensor | None = None
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [T, H*D] and key [T, KV*D]; the Triton path rotates them in place."""
+        if self.cos is None:
+            from flexserve_kernels.rotary import rotary_embedding
+
+            return rotary_embedding(self.positions, query, key, self.cos_sin_cache, self.head_dim)
+        return (rotate(query, self.cos, self.sin, self.head_dim),
+                rotate(key, self.cos, self.sin, self.head_dim))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:

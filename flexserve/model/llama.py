@@ -12,7 +12,7 @@ Per-layer op graph (x: [T, hidden] residual stream; T tokens of any rows, no pad
     a   = attention(q, k, v)                        writes k,v to the paged cache, then reads it
     x   = x + o_proj(a)                             linear, residual add
     h   = post_attention_layernorm(x)               rmsnorm
-    m   = silu(gate_proj(h)) * up_proj(h)           two linears, silu-mul
+    m   = silu(gate_proj(h)) * up_proj(h)           two linears, silu-and-mul
     x   = x + down_proj(m)                          linear, residual add
 
 After the last layer: model.norm (rmsnorm), then lm_head (tied to embed_tokens when
@@ -26,12 +26,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.rmsnorm import RMSNorm
-from flexserve.layers.rotary import RotaryEmbedding, rotate
+from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -80,9 +80,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
         self.attn = Attention(num_heads, head_dim, num_kv_heads, scale=head_dim**-0.5)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = rotate(self.q_proj(hidden), cos, sin, self.head_dim)
-        k = rotate(self.k_proj(hidden), cos, sin, self.head_dim)
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        q, k = rope.apply(self.q_proj(hidden), self.k_proj(hidden))
         v = self.v_proj(hidden)
         return self.o_proj(self.attn(q, k, v))
 
@@ -98,7 +97,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -112,7 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in, (mlp output, residual before it) out; their sum is the stream."""
         if residual is None:
@@ -120,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -139,10 +138,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.get_cos_sin(positions, hidden.dtype)
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
