@@ -1,10 +1,15 @@
-"""Offline generation throughput: flexserve's `LLM.generate` vs HF transformers `generate`.
+"""Offline generation throughput: flexserve's `LLM.generate` vs HF transformers `generate`,
+against the physical floors measured in the same run.
 
 Fixed-length random prompts, greedy, EOS ignored, so both backends produce exactly
-batch x output_len tokens. Prints one JSON line per (backend, batch) and a table at the end.
+batch x output_len tokens. Backends: `flexserve` (CUDA graphs for decode), `flexserve-eager`
+(--enforce-eager), `hf`. Also times one prefill of --prefill-len tokens. Floors: a decode step must
+read every weight it uses (all parameters but the embedding table) and each row's K/V once, at the
+measured copy bandwidth; a prefill must do 2 x params x tokens + causal attention FLOPs at the
+measured matmul peak. Prints one JSON line per measurement and a table at the end.
 
     python benchmarks/offline_throughput.py --model llama-3.1-8b --load-format dummy \
-        --input-len 512 --output-len 128 --batch-sizes 1 32 --backends flexserve hf
+        --input-len 512 --output-len 128 --batch-sizes 1 32 --backends flexserve flexserve-eager hf
 """
 
 from __future__ import annotations
@@ -50,19 +55,34 @@ def measure_peaks(device: torch.device) -> dict[str, float]:
     return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "matmul_tflop_s": 2 * 8192**3 / mm_s / 1e12}
 
 
-def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]]) -> list[dict]:
+def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], enforce_eager: bool,
+                  prefill_prompt: list[int] | None) -> list[dict]:
     from flexserve import LLM, SamplingParams
 
+    backend = "flexserve-eager" if enforce_eager else "flexserve"
     llm = LLM(
         args.model,
         load_format=args.load_format,
         dtype=args.dtype,
-        max_model_len=args.input_len + args.output_len + 16,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max(args.input_len + args.output_len, args.prefill_len) + 16,
+        max_num_batched_tokens=max(args.max_num_batched_tokens, args.prefill_len),
         max_num_seqs=max(prompts_by_batch),
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=False,  # repeated prompts must not be served from the cache
+        enforce_eager=enforce_eager,
     )
     results = []
+    if prefill_prompt is not None:
+        one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        llm.generate([prefill_prompt], one, use_tqdm=False)  # warm-up (kernel compiles)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([prefill_prompt], one, use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        results.append({"backend": backend, "prefill_tokens": len(prefill_prompt),
+                        "prefill_s": round(sorted(times)[1], 5)})
     for batch, prompts in prompts_by_batch.items():
         prefill_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -74,20 +94,34 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]]) -> list[di
         outputs = llm.generate(prompts, params, use_tqdm=False)
         total_s = time.perf_counter() - t0
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-        results.append(_row("flexserve", batch, args, prefill_s, total_s, num_out))
+        results.append(_row(backend, batch, args, prefill_s, total_s, num_out))
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     return results
 
 
-def run_hf(args, prompts_by_batch: dict[int, list[list[int]]], hf_config) -> list[dict]:
+def run_hf(args, prompts_by_batch: dict[int, list[list[int]]], hf_config,
+           prefill_prompt: list[int] | None) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     results = []
+    if prefill_prompt is not None:
+        ids = torch.tensor([prefill_prompt], device="cuda")
+        with torch.inference_mode():
+            model(ids)
+            times = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(ids, logits_to_keep=1)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        results.append({"backend": "hf", "prefill_tokens": len(prefill_prompt),
+                        "prefill_s": round(sorted(times)[1], 5)})
     for batch, prompts in prompts_by_batch.items():
         ids = torch.tensor(prompts, device="cuda")
         mask = torch.ones_like(ids)
@@ -139,7 +173,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--backends", nargs="+", default=["flexserve", "hf"])
+    parser.add_argument("--backends", nargs="+", default=["flexserve", "flexserve-eager", "hf"],
+                        choices=["flexserve", "flexserve-eager", "hf"])
+    parser.add_argument("--prefill-len", type=int, default=4096,
+                        help="also time one prefill of this many tokens (0: skip)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
@@ -150,11 +187,19 @@ def main() -> None:
 
     hf_config = resolve_model(args.model, args.load_format).hf_config
     prompts = {b: random_prompts(b, args.input_len, hf_config.vocab_size, args.seed) for b in args.batch_sizes}
+    prefill_prompt = None
+    if args.prefill_len > 0:
+        prefill_prompt = random_prompts(1, args.prefill_len, hf_config.vocab_size, args.seed + 1)[0]
     device = torch.device("cuda")
-    results = [{"peaks": measure_peaks(device), "gpu": torch.cuda.get_device_name(device)}]
+    peaks = measure_peaks(device)
+    results = [{"peaks": peaks, "gpu": torch.cuda.get_device_name(device),
+                "floors": floors(hf_config, args, peaks)}]
     print(json.dumps(results[0]), flush=True)
     for backend in tqdm(args.backends, desc="backends"):
-        rows = run_flexserve(args, prompts) if backend == "flexserve" else run_hf(args, prompts, hf_config)
+        if backend == "hf":
+            rows = run_hf(args, prompts, hf_config, prefill_prompt)
+        else:
+            rows = run_flexserve(args, prompts, backend == "flexserve-eager", prefill_prompt)
         for row in rows:
             print(json.dumps(row), flush=True)
         results.extend(rows)
@@ -162,9 +207,45 @@ def main() -> None:
         with open(args.out, "a") as f:
             for row in results:
                 f.write(json.dumps(row) + "\n")
-    print(f"{'backend':10} {'batch':>5} {'prefill s':>10} {'total s':>9} {'TPOT ms':>8} {'out tok/s':>10}")
+    fl = results[0]["floors"]
+    print(f"{'backend':16} {'batch':>5} {'prefill s':>10} {'total s':>9} {'TPOT ms':>8} "
+          f"{'floor ms':>8} {'x floor':>7} {'out tok/s':>10}")
     for r in results[1:]:
-        print(f"{r['backend']:10} {r['batch']:>5} {r['prefill_s']:>10} {r['total_s']:>9} {r['tpot_ms']:>8} {r['output_tok_s']:>10}")
+        if "batch" not in r:
+            continue
+        floor_ms = fl["decode_step_ms"][str(r["batch"])]
+        print(f"{r['backend']:16} {r['batch']:>5} {r['prefill_s']:>10} {r['total_s']:>9} "
+              f"{r['tpot_ms']:>8} {floor_ms:>8.2f} {r['tpot_ms'] / floor_ms:>7.2f} "
+              f"{r['output_tok_s']:>10}")
+    for r in results[1:]:
+        if "prefill_tokens" in r:
+            tflops = fl["prefill_flop"] / r["prefill_s"] / 1e12
+            print(f"{r['backend']:16} prefill {r['prefill_tokens']} tokens: {r['prefill_s'] * 1e3:.1f} ms"
+                  f" = {tflops:.0f} TFLOP/s = {tflops / peaks['matmul_tflop_s']:.0%} of the "
+                  f"measured matmul peak ({r['prefill_tokens'] / r['prefill_s']:.0f} tok/s)")
+
+
+def floors(hf_config, args, peaks: dict[str, float]) -> dict:
+    """Decode-step floor per batch size (weights read once + every row's K/V at the average
+    context of the run, at the copy bandwidth) and the FLOPs of one prefill of --prefill-len."""
+    from flexserve.model.llama import head_dim_of
+
+    hidden, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
+    head_dim = head_dim_of(hf_config)
+    q_dim, kv_dim = hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim
+    layer_params = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter + 2 * hidden
+    read_params = layers * layer_params + hidden + hf_config.vocab_size * hidden  # + norm, lm_head
+    elt = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    bandwidth = peaks["copy_tb_s"] * 1e12
+    avg_context = args.input_len + args.output_len / 2
+    kv_bytes_per_row = 2 * layers * kv_dim * elt * avg_context
+    steps = {str(b): (read_params * elt + b * kv_bytes_per_row) / bandwidth * 1e3
+             for b in args.batch_sizes}
+    t = args.prefill_len
+    prefill_flop = 2 * (read_params - hf_config.vocab_size * hidden) * t + 2 * hidden * hf_config.vocab_size \
+        + 2 * layers * q_dim * t * t  # QK^T and PV over the causal half: 2 * 2 * T^2/2 * q_dim
+    return {"weight_bytes_read": read_params * elt, "kv_bytes_per_row": kv_bytes_per_row,
+            "decode_step_ms": steps, "prefill_flop": prefill_flop}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class ModelConfig:
     seed: int = 0  # seed of dummy weights and of unseeded sampling
     device: str = "auto"  # auto: cuda when available, else cpu
     served_model_name: str | None = None  # name the API answers to; None: `model`
+    enforce_eager: bool = False  # CUDA: never replay CUDA graphs (decode runs eagerly)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -151,6 +151,12 @@ class OutputProcessor:
         """
         changed: dict[str, _Parent] = {}
         stopped: list[str] = []
+        # Every row that covered prompt positions reports their logprobs, also a prefill chunk
+        # that sampled nothing (so its request is not in `updated`).
+        for child_id, prompt_entries in result.prompt_logprobs.items():
+            entry = self._children.get(child_id)
+            if entry is not None:
+                self._add_prompt_logprobs(entry[0], child_id, prompt_entries)
         for request in updated:
             entry = self._children.get(request.request_id)
             if entry is None:
@@ -158,9 +164,6 @@ class OutputProcessor:
             parent, completion = entry
             changed[parent.request_id] = parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
-            prompt_entries = result.prompt_logprobs.get(request.request_id)
-            if prompt_entries is not None:
-                self._add_prompt_logprobs(parent, request.request_id, prompt_entries)
             if completion.finish_reason is None:
                 matched_stop = self._update(completion, parent.params, request, result)
                 if matched_stop and not request.status.finished:

@@ -24,8 +24,7 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `flexserve serve`; defaults are those of the config dataclasses."""
-    model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
+    """The options of `flexserve serve`: the server's, then the engine's."""
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to bind (0.0.0.0: all interfaces) [%(default)s]")
@@ -42,6 +41,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic one-line engine stats in the log")
 
+    add_engine_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, cache, scheduler and LoRA options (serve, bench); defaults from the configs."""
+    model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=DEFAULT_MODEL,
                        help="a shipped model name or a Hugging Face directory [%(default)s]")
@@ -56,6 +61,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N")
     group.add_argument("--seed", type=int, default=model.seed,
                        help="seed of dummy weights and of unseeded sampling [%(default)s]")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode eagerly instead of replaying CUDA graphs")
     group.add_argument("--state-dir", default=None,
                        help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
                             "~/.cache/flexserve]")
@@ -137,7 +144,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(
             model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
             load_format=args.load_format, max_model_len=args.max_model_len, seed=args.seed,
-            device=args.device, served_model_name=args.served_model_name,
+            device=args.device, served_model_name=getattr(args, "served_model_name", None),
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(
             block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -147,8 +155,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         ),
         lora=lora_config_from_args(args),
-        disable_log_stats=args.disable_log_stats,
+        disable_log_stats=getattr(args, "disable_log_stats", False),
     )
+
+
+def apply_state_dir(args: argparse.Namespace) -> None:
+    """--state-dir: the model registry and the converters read it from the environment."""
+    if args.state_dir:
+        os.environ["FLEXSERVE_HOME"] = os.path.abspath(os.path.expanduser(args.state_dir))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -160,9 +174,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    if args.state_dir:
-        # The model registry and the converters read the state directory from the environment.
-        os.environ["FLEXSERVE_HOME"] = os.path.abspath(os.path.expanduser(args.state_dir))
+    apply_state_dir(args)
     config = engine_config_from_args(args)
     logger.info("loading model %s (dtype %s, load format %s)", args.model, args.dtype,
                 args.load_format)
@@ -207,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "/v1/unload_lora_adapter, /health, /version, /metrics).")
     add_serve_arguments(serve_parser)
     serve_parser.set_defaults(handler=serve)
+    from flexserve.entrypoints.bench import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

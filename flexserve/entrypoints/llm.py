@@ -53,6 +53,13 @@ class LLM:
         )
         self.engine = LLMEngine.from_config(config)
 
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM over an already built EngineConfig (the CLI builds one from its options)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine.from_config(config)
+        return llm
+
     def get_tokenizer(self) -> Any | None:
         return self.engine.tokenizer
 

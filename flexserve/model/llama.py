@@ -30,6 +30,7 @@ from torch import nn
 
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
+from flexserve.layers.forward_context import get_forward_context
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
 
@@ -103,8 +104,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer; see the module docstring for its op graph."""
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, head_dim: int, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # index in model.layers; names the layer to fine-tuning capture
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, head_dim)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -123,6 +125,43 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def forward_captured(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, capture: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` that hands every named tensor of `flexserve.peft.layer_graph` to `capture`
+        (a `FinetuneCapture`, which copies out the fine-tuning rows it stores) as it is made."""
+        i, attn, mlp = self.layer_idx, self.self_attn, self.mlp
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        capture.take(i, "x", residual)
+        capture.take(i, "h_attn", hidden)
+        q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
+        for name, tensor in (("q_out", q), ("k_out", k), ("v_out", v)):
+            capture.take(i, name, tensor)
+        q, k = rope.apply(q, k)  # in place on the Triton path: q_out and k_out are copied above
+        capture.take(i, "q", q)
+        capture.take(i, "k", k)
+        hidden = attn.attn(q, k, v)
+        capture.take(i, "attn", hidden)
+        hidden = attn.o_proj(hidden)
+        capture.take(i, "o_out", hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        capture.take(i, "x_mid", residual)
+        capture.take(i, "h_mlp", hidden)
+        gate, up = mlp.gate_proj(hidden), mlp.up_proj(hidden)
+        capture.take(i, "gate_out", gate)
+        capture.take(i, "up_out", up)
+        hidden = silu_and_mul(gate, up)
+        capture.take(i, "m", hidden)
+        hidden = mlp.down_proj(hidden)
+        capture.take(i, "down_out", hidden)
+        if capture.wants(i, "x_next"):  # the next layer's x; the model fuses this add into its norm
+            capture.take(i, "x_next", residual + hidden)
+        return hidden, residual
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm; rope cos/sin gathered once per forward."""
@@ -131,7 +170,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, head_dim, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding.from_config(config, head_dim, max_position)
@@ -139,10 +178,16 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
+        capture = get_forward_context().finetune
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope)
-        hidden, _ = self.norm(hidden, residual)
+            if capture is None:
+                hidden, residual = layer(hidden, residual, rope)
+            else:
+                hidden, residual = layer.forward_captured(hidden, residual, rope, capture)
+        hidden, stream = self.norm(hidden, residual)
+        if capture is not None:
+            capture.take_final(stream)  # the last layer's output, where the window loss starts
         return hidden
 
 

@@ -20,12 +20,14 @@ from flexserve.layers.sampler import (
 )
 from flexserve.model.loader import load_model, resolve_dtype
 from flexserve.model.registry import ResolvedModel
+from flexserve.worker.cuda_graphs import CUDAGraphRunner
 from flexserve.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
     num_blocks_from_memory,
 )
 from flexserve.worker.lora_manager import LoRAManager
+from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class ModelRunner:
                 self.model, config.lora, self.hf_config, self.device, self.dtype)
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: CUDAGraphRunner | None = None
 
     # ----------------------------------------------------------------------------------- KV cache
     def initialize_kv_cache(self, max_model_len: int) -> int:
@@ -82,6 +85,15 @@ class ModelRunner:
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec, self.num_blocks, self.device)
         self.model.bind_kv_caches(self.kv_caches)
+        # Graphs replay the Triton path only (the torch reference attention is not graph-safe).
+        if (self.device.type == "cuda" and not self.config.model.enforce_eager
+                and use_triton(self.device)):
+            self.graph_runner = CUDAGraphRunner(
+                self.model, self.config.scheduler.max_num_seqs, max_model_len, self.block_size,
+                self.hf_config.num_key_value_heads, self.device,
+                with_lora=self.lora_manager is not None,
+            )
+            self.graph_runner.capture()
         return self.num_blocks
 
     @torch.inference_mode()
@@ -140,8 +152,12 @@ class ModelRunner:
         if self.lora_manager is not None and any(r.lora_slot >= 0 for r in rows):
             lora_meta = LoRAKernelMeta.build(
                 [r.num_scheduled_tokens for r in rows], [r.lora_slot for r in rows], self.device)
-        with set_forward_context(metadata, lora_meta):
-            hidden = self.model(input_ids, positions)
+        if (self.graph_runner is not None and metadata.max_query_len == 1
+                and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
+            hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
+        else:
+            with set_forward_context(metadata, lora_meta):
+                hidden = self.model(input_ids, positions)
         last_token_index = metadata.query_start_loc[1:] - 1
         sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
         if sample_rows:
