@@ -50,9 +50,11 @@ TOLERANCE = {
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (4e-2, 2.4e-2) if INTERPRETED else (1e-2, 8e-3),
 }
-# Bitwise equality with the eager ops holds where every rounding is the same: 16-bit on the GPU,
-# fp32 and fp16 under the interpreter (numpy rounds to nearest; no FMA contraction).
-BITWISE = {torch.float32: INTERPRETED, torch.float16: True, torch.bfloat16: not INTERPRETED}
+# Bitwise equality with the eager ops holds where every rounding is the same: fp32 and fp16 under
+# the interpreter (numpy rounds to nearest; no FMA contraction). Compiled on the H200, FMA
+# contraction moves 16-bit results by one ulp on a few elements (measured 2026-11-21: rotary
+# fp16 and bf16), so the GPU checks use the one-ulp tolerances.
+BITWISE = {torch.float32: INTERPRETED, torch.float16: INTERPRETED, torch.bfloat16: False}
 
 
 @pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")

