@@ -129,6 +129,22 @@ class LoRAConfig:
 
 
 @dataclass(slots=True)
+class FinetuneConfig:
+    """Token-level fine-tuning in the serving engine (needs LoRA slots: a job holds one)."""
+
+    max_finetune_len: int | None = None  # longest training sequence; None: max_model_len
+    remat_threshold: float | None = None  # graph pruning's recompute threshold; None: its default
+    loss_chunk_rows: int = 1024  # rows whose full-vocabulary logits exist at once in the loss
+
+    def __post_init__(self) -> None:
+        _positive("max_finetune_len", self.max_finetune_len, allow_none=True)
+        _positive_int("loss_chunk_rows", self.loss_chunk_rows)
+        if self.remat_threshold is not None and (
+                isinstance(self.remat_threshold, bool) or self.remat_threshold < 0):
+            raise ValueError(f"remat_threshold must be >= 0, got {self.remat_threshold!r}")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; `max_model_len` is resolved from the checkpoint when loaded."""
 
@@ -136,4 +152,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig | None = None  # None: LoRA disabled (no slots, no wrapped linears)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     disable_log_stats: bool = False  # periodic one-line stats in the log

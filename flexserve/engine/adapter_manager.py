@@ -211,6 +211,27 @@ class AdapterManager:
                 best = adapter
         return None if best is None else best.lora_request.lora_int_id
 
+    # ------------------------------------------------------------------------------ jobs
+    def reserve_slot(self, owner: str, lora_request: LoRARequest) -> int | None:
+        """Pin a device slot for a fine-tuning job's adapter (id and name from `lora_request`,
+        never servable by name) until `release_slot(owner)`; None when every slot is pinned.
+        The caller fills the slot itself: nothing is loaded from a path."""
+        if lora_request.lora_int_id in self._by_id:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already in use")
+        adapter = _Adapter(lora_request, unloading=True)  # unloading: not servable, freed at 0
+        self._by_id[lora_request.lora_int_id] = adapter
+        if not self.can_pin(lora_request.lora_int_id):
+            del self._by_id[lora_request.lora_int_id]
+            return None
+        adapter.num_requests += 1
+        self._users[owner] = lora_request.lora_int_id
+        slot, _ = self.pin(owner, lora_request.lora_int_id)
+        return slot
+
+    def release_slot(self, owner: str) -> None:
+        """The job ended: its slot becomes free (a no-op for an unknown owner)."""
+        self.finish_request(owner)
+
     # ------------------------------------------------------------------------------ stats
     @property
     def num_resident(self) -> int:

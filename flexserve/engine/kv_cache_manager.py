@@ -102,7 +102,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None, cache_blocks: bool = True,
     ) -> list[int] | None:
         """Grow the request's table to cover its computed tokens, the hits and `num_new_tokens`.
 
@@ -115,7 +115,8 @@ class KVCacheManager:
         Every block that the scheduled tokens fill is registered in the prefix cache right away,
         before the worker has written it: the worker writes all new KV of a step before
         attention reads any in each layer, so a request admitted later in the same step may
-        already share it.
+        already share it. `cache_blocks=False` keeps them out of the prefix cache (fine-tuning
+        sequences: their K/V comes from an adapter that changes every optimizer step).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -147,7 +148,7 @@ class KVCacheManager:
         num_fresh = max(0, cdiv(num_total_tokens, self.block_size) - len(blocks))
         new_blocks = self.block_pool.get_new_blocks(num_fresh)
         blocks.extend(new_blocks)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache_blocks:
             self._cache_full_blocks(request, blocks, num_total_tokens)
         return [block.block_id for block in new_blocks]
 

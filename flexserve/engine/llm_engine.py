@@ -34,6 +34,7 @@ class ModelInfo:
     block_size: int  # tokens per block
     device: str  # e.g. "cuda:0" or "cpu"
     dtype: str  # e.g. "bfloat16"
+    num_layers: int = 0  # decoder layers (fine-tuning's backward walks them top-down)
 
 
 @dataclass(slots=True)
@@ -64,7 +65,9 @@ class LLMEngine:
         self.info = info
         self.executor = executor
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, info.num_blocks, info.max_model_len, config.lora
+            config.scheduler, config.cache, info.num_blocks, info.max_model_len, config.lora,
+            num_layers=info.num_layers,
+            max_finetune_len=config.finetune.max_finetune_len or info.max_model_len,
         )
         self.core = EngineCore(self.scheduler, executor)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)

@@ -2,8 +2,9 @@
 
 Plain Python only (ints, lists, params objects): no tensors cross the engine/worker boundary.
 A row is a contiguous run of a sequence's tokens whose KV goes into the paged cache at positions
-[num_computed_tokens, num_computed_tokens + len(new_token_ids)). Chunked prefill, decode and, in
-the fine-tuning issue, forward windows of training sequences are all rows of this one shape.
+[num_computed_tokens, num_computed_tokens + len(new_token_ids)). Chunked prefill, decode and
+forward windows of fine-tuning sequences are all rows of this one shape; backward windows and
+optimizer steps of fine-tuning jobs run after the forward in the same step.
 """
 
 from __future__ import annotations
@@ -36,6 +37,42 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
+class FinetuneSequenceStart:
+    """A fine-tuning sequence the worker starts keeping activations and gradients for."""
+
+    job_id: str  # the fine-tuning job
+    sequence_id: int  # unique within the job
+    token_ids: list[int]  # the whole training sequence
+    loss_mask: list[bool]  # loss_mask[p]: token p is predicted from p-1 and counts in the loss
+    loss_scale: float  # 1 / loss tokens of the optimizer step the sequence belongs to
+    block_ids: list[int]  # KV blocks holding all of its positions (allocated up front)
+
+
+@dataclass(slots=True)
+class FinetuneWindow:
+    """A forward window [start, end) of a fine-tuning sequence: one more row of the flat batch,
+    after the inference rows (FlexLLM algorithm 2, lines 3-11)."""
+
+    job_id: str
+    sequence_id: int
+    start: int  # first position (its predecessors' K/V are in the cache)
+    end: int  # one past the last position
+    lora_slot: int  # device slot of the job's adapter
+
+
+@dataclass(slots=True)
+class BackwardWindow:
+    """Backward of one decoder layer over positions [start, end) of a sequence (algorithm 2,
+    lines 13-21): layers from the top, windows from the end of the sequence."""
+
+    job_id: str
+    sequence_id: int
+    layer: int
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
 class BatchPlan:
     """What one `EngineCore.step()` runs. Rows are in execution order."""
 
@@ -47,10 +84,18 @@ class BatchPlan:
     num_new_prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     # slot -> adapter to copy into that device slot before this forward (its rows use the slot)
     lora_slot_loads: dict[int, LoRARequest] = field(default_factory=dict)
+    # fine-tuning work, run in this order: sequences to start, forward windows (rows after the
+    # inference rows, same forward call), backward windows, then optimizer steps of these jobs
+    finetune_starts: list[FinetuneSequenceStart] = field(default_factory=list)
+    finetune_windows: list[FinetuneWindow] = field(default_factory=list)
+    backward_windows: list[BackwardWindow] = field(default_factory=list)
+    optimizer_steps: list[str] = field(default_factory=list)  # job ids
+    finished_finetune_sequences: list[tuple[str, int]] = field(default_factory=list)  # drop state
 
     @property
     def is_empty(self) -> bool:
-        return not self.sequences
+        return not (self.sequences or self.finetune_windows or self.backward_windows
+                    or self.optimizer_steps)
 
 
 @dataclass(slots=True)
@@ -74,3 +119,7 @@ class StepResult:
     execute_time: float = 0.0  # seconds spent in the worker
     # lora_int_id -> why its slot load failed; the engine ends those requests, drops their tokens
     lora_load_errors: dict[int, str] = field(default_factory=dict)
+    # (job id, sequence id) -> (sum of token cross-entropies, loss tokens) of this step's windows
+    finetune_losses: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    grad_norms: dict[str, float] = field(default_factory=dict)  # job id -> pre-clip norm, per step
+    finetune_errors: dict[str, str] = field(default_factory=dict)  # job id -> why it failed

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from flexserve.config import CacheConfig, LoRAConfig, SchedulerConfig
 from flexserve.engine.adapter_manager import AdapterManager
+from flexserve.engine.finetune_scheduler import FinetuneScheduler
 from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult
 from flexserve.engine.request import Request, RequestStatus
@@ -41,6 +42,8 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         lora_config: LoRAConfig | None = None,
+        num_layers: int = 0,
+        max_finetune_len: int | None = None,
     ) -> None:
         if type(max_model_len) is not int or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -60,6 +63,9 @@ class Scheduler:
         self.adapter_manager = (
             None if lora_config is None else AdapterManager(lora_config.max_loras)
         )
+        # Fine-tuning windows fill the budget the inference rows leave (FlexLLM 6.1).
+        self.finetune = FinetuneScheduler(
+            self.kv_cache_manager, num_layers, max_finetune_len or max_model_len)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -225,8 +231,10 @@ class Scheduler:
                     plan.num_new_prefix_cache_hit_tokens += num_hit_tokens
                 self._add_row(plan, request, num_new_tokens)
                 budget -= num_new_tokens
+        if self.finetune.has_work() and budget > 0:
+            budget = self.finetune.schedule(plan, budget)
         # An empty plan may never reach the worker, so ended ids wait for one that has rows.
-        if plan.sequences:
+        if not plan.is_empty:
             plan.finished_request_ids = self.finished_request_ids
             self.finished_request_ids = []
         return plan
@@ -257,6 +265,8 @@ class Scheduler:
             updated.append(request)
         if ended:
             self.running = [r for r in self.running if r.request_id not in ended]
+        self.finetune.update(plan, result.finetune_losses, result.grad_norms,
+                             result.finetune_errors)
         return updated
 
     # ------------------------------------------------------------------ state for the engine

@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flexserve.entrypoints.bench import add_bench_parser
 
     add_bench_parser(commands)
+    from flexserve.entrypoints.finetune_plan import add_finetune_plan_parser
+
+    add_finetune_plan_parser(commands)
     return parser
 
 

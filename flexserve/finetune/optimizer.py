@@ -12,6 +12,7 @@ After a step the caller copies the masters into the (possibly bf16) weights the 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -101,6 +102,7 @@ class AdapterOptimizer:
             master.grad.add_(grad.to(device=master.device, dtype=torch.float32))
 
     def zero_grad(self) -> None:
+        """Zero the gradient buffers in place (they stay allocated)."""
         for master in self.masters.values():
             master.grad.zero_()
 
@@ -124,11 +126,15 @@ class AdapterOptimizer:
         return float(norm)
 
     def state_dict(self) -> dict[str, Any]:
-        """Masters, AdamW state and step count: what a checkpoint needs to resume exactly."""
+        """Masters, AdamW state and step count: what a checkpoint needs to resume exactly.
+
+        A snapshot (tensors copied, unlike torch's own state_dict), so a checkpoint may be
+        written while training goes on.
+        """
         return {
             "num_completed_steps": self.num_completed_steps,
             "masters": {name: m.detach().clone() for name, m in self.masters.items()},
-            "adamw": self._adamw.state_dict(),
+            "adamw": copy.deepcopy(self._adamw.state_dict()),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

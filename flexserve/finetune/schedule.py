@@ -1,4 +1,4 @@
-"""Learning-rate schedules, equal to transformers' `get_{constant,linear,cosine}_schedule_with_warmup`.
+"""LR schedules equal to transformers' `get_{constant,linear,cosine}_schedule_with_warmup`.
 
 Pure Python (no torch), so the engine can report the LR of any step. `lr_at(step)` is the LR of
 the update numbered `step` (0-based): transformers' LambdaLR sets base_lr * factor(0) before the

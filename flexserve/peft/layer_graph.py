@@ -19,7 +19,8 @@ Tensor names are per layer and token-indexed (every tensor here has one row per 
 
 A bypass on projection p adds ops and tensors named after p (q_proj, ..., down_proj):
 
-    LoRA:  p.dropout  {in} -> {p}_xd      only when dropout > 0 (training); mask is the state
+    LoRA:  p.dropout  {in} -> {p}_xd, {p}_mask   only when dropout > 0 (training); the mask
+                                          (dtype "bool") is its state, which backward reads
            p.linear   {in} -> {p}_base    frozen backbone GEMM
            p.lora_a   {p}_xd|{in} -> {p}_s   [T, r] shrink, trainable A
            p.lora_b   {p}_s -> {p}_delta  expand with scaling, trainable B
@@ -136,7 +137,8 @@ def build_layer_graph(
             if dropout > 0:
                 x_in = f"{target}_xd"
                 tensor(x_in, n_in)
-                op(f"{target}.dropout", "dropout", (src,), (x_in,))
+                tensor(f"{target}_mask", n_in, dtype="bool")
+                op(f"{target}.dropout", "dropout", (src,), (x_in, f"{target}_mask"))
             tensor(f"{target}_base", n_out)
             tensor(f"{target}_s", rank)
             tensor(f"{target}_delta", n_out)

@@ -1,10 +1,13 @@
-"""LoRA adapters in the `peft` format: `adapter_config.json` + `adapter_model.safetensors`.
+"""Adapters in the `peft` format: `adapter_config.json` + `adapter_model.safetensors`.
 
+Two kinds: LoRA (`peft_type` "LORA", `LoRAAdapter`) and (IA)3 ("IA3", `IA3Adapter`); the loader
+dispatches on `peft_type`, and a caller names the kinds it can use (serving takes LoRA only).
 Reading checks everything a server must not trust: the files exist, the config is a plain LoRA
-(no DoRA, biases, extra saved modules or per-module ranks), every tensor targets one of the seven
-projections a Llama-family layer has, the shapes fit the loaded model, and the rank fits the slots.
-Each problem is a `ValueError` whose message says what is wrong. Pickled `adapter_model.bin`
-files are refused: loading them would run arbitrary code from a user-supplied directory.
+(no DoRA, biases, extra saved modules or per-module ranks) or a plain (IA)3, every tensor targets
+one of the seven projections a Llama-family layer has, the shapes fit the loaded model, and the
+rank fits the slots. Each problem is a `ValueError` whose message says what is wrong. Pickled
+`adapter_model.bin` files are refused: loading them would run arbitrary code from a user-supplied
+directory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 
 from flexserve.peft.bypass import TARGET_MODULES
+from flexserve.peft.ia3 import IA3Adapter
 from flexserve.peft.lora import LoRAAdapter
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -43,6 +47,13 @@ _UNSUPPORTED_OPTIONS = {
     "use_bdlora": "block-diagonal LoRA (use_bdlora)",
 }
 _SUPPORTED = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+PEFT_TYPES = ("LORA", "IA3")
+# PEFT's saved (IA)3 keys: ...layers.{i}.{self_attn|mlp}.{target}.ia3_l, [out, 1] or [1, in].
+_IA3_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+?)\.ia3_l(?:\.default)?$")
+_UNSUPPORTED_IA3_OPTIONS = {
+    "modules_to_save": "fully trained extra modules (modules_to_save)",
+    "fan_in_fan_out": "transposed (Conv1D) weights (fan_in_fan_out)",
+}
 
 
 def resolve_adapter_dir(path: str, allowed_dir: str | None = None) -> str:
@@ -133,15 +144,29 @@ def load_peft_adapter(
     max_rank: int | None = None,
     allowed_dir: str | None = None,
     dtype: torch.dtype | None = None,
-) -> LoRAAdapter:
-    """Read a PEFT LoRA directory into a `LoRAAdapter` on the CPU.
+    peft_types: tuple[str, ...] = ("LORA",),
+) -> LoRAAdapter | IA3Adapter:
+    """Read a PEFT adapter directory into a `LoRAAdapter` or an `IA3Adapter` on the CPU.
 
+    The config's `peft_type` picks the kind; `peft_types` lists those the caller accepts (the
+    default, LoRA only, is what the serving path can run: a LoRA caller never gets another kind).
     With `shapes` ((in, out) per target, see `bypass.target_shapes`) and `num_layers` the adapter
-    is checked against the base model; with `max_rank` its rank against the slots. `dtype` casts
-    the weights. Raises ValueError naming the problem.
+    is checked against the base model; with `max_rank` a LoRA rank against the slots. `dtype`
+    casts the weights. Raises ValueError naming the problem.
     """
+    unknown = [t for t in peft_types if t not in PEFT_TYPES]
+    if unknown:
+        raise ValueError(f"unknown peft type(s) {unknown}; known: {', '.join(PEFT_TYPES)}")
     real = resolve_adapter_dir(path, allowed_dir)
-    options = parse_lora_config(read_adapter_config(real))
+    config = read_adapter_config(real)
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type not in peft_types:
+        raise ValueError(
+            f"peft_type {peft_type!r} is not supported here; supported: {', '.join(peft_types)}"
+        )
+    if peft_type == "IA3":
+        return _load_ia3_adapter(real, config, shapes, num_layers, dtype)
+    options = parse_lora_config(config)
     rank = options["r"]
     if max_rank is not None and rank > max_rank:
         raise ValueError(
@@ -168,14 +193,7 @@ def load_peft_adapter(
 def _read_lora_weights(path: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
-    weights_path = os.path.join(path, ADAPTER_WEIGHTS_NAME)
-    if not os.path.isfile(weights_path):
-        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
-            raise ValueError(
-                f"{ADAPTER_WEIGHTS_NAME} is missing in {path!r}: only safetensors adapters are "
-                "supported (adapter_model.bin is a pickle, which is not loaded for safety)"
-            )
-        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} is missing in adapter directory {path!r}")
+    weights_path = _weights_file(path)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(weights_path, framework="pt", device="cpu") as f:
@@ -220,12 +238,124 @@ def _parse_key(key: str) -> tuple[int, str, str]:
     return int(layer), target, half
 
 
+def parse_ia3_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The (IA)3 options of an adapter config.
+
+    Returns {target_modules, feedforward_modules, base_model_name_or_path}; the two module
+    entries are lists, or None / a regex string (then the tensors' shapes decide).
+    """
+    peft_type = config.get("peft_type")
+    if peft_type != "IA3":
+        raise ValueError(f"peft_type {peft_type!r} is not an (IA)3 adapter")
+    for key, what in _UNSUPPORTED_IA3_OPTIONS.items():
+        if config.get(key):
+            raise ValueError(f"adapter config: {what} is not supported")
+    options: dict[str, Any] = {"base_model_name_or_path": config.get("base_model_name_or_path")}
+    for key in ("target_modules", "feedforward_modules"):
+        value = config.get(key)
+        if isinstance(value, list):
+            unknown = [t for t in value if t not in TARGET_MODULES]
+            if unknown:
+                raise ValueError(
+                    f"unsupported (IA)3 {key} {', '.join(map(str, unknown))}; supported: "
+                    f"{_SUPPORTED}"
+                )
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"adapter config: {key} must be a list or a string, got {value!r}")
+        options[key] = value
+    targets, feedforward = options["target_modules"], options["feedforward_modules"]
+    if isinstance(targets, list) and isinstance(feedforward, list):
+        stray = sorted(set(feedforward) - set(targets))
+        if stray:
+            raise ValueError(
+                f"adapter config: feedforward_modules {', '.join(stray)} are not in target_modules"
+            )
+    return options
+
+
+def _load_ia3_adapter(
+    path: str,
+    config: dict[str, Any],
+    shapes: dict[str, tuple[int, int]] | None,
+    num_layers: int | None,
+    dtype: torch.dtype | None,
+) -> IA3Adapter:
+    from safetensors import SafetensorError, safe_open
+
+    options = parse_ia3_config(config)
+    weights_path = _weights_file(path)
+    raw: dict[tuple[int, str], torch.Tensor] = {}
+    try:
+        with safe_open(weights_path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                match = _IA3_KEY.match(key)
+                if match is None:
+                    raise ValueError(f"unexpected tensor {key!r} in an (IA)3 adapter")
+                layer, parent, target = match.groups()
+                if TARGET_MODULES.get(target) != parent:
+                    raise ValueError(
+                        f"tensor {key!r} targets {parent}.{target}; flexserve supports (IA)3 on "
+                        f"{_SUPPORTED} only"
+                    )
+                raw[(int(layer), target)] = f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read {weights_path}: {e}") from e
+    if not raw:
+        raise ValueError(f"{weights_path} holds no (IA)3 vectors")
+    # PEFT stores l as [1, in] for a feed-forward module (input scaled) and [out, 1] otherwise.
+    kinds: dict[str, bool] = {}
+    weights = {}
+    for (layer, target), tensor in sorted(raw.items()):
+        if tensor.dim() != 2 or 1 not in tensor.shape or tensor.shape == (1, 1):
+            raise ValueError(
+                f"layer {layer} {target}: ia3_l has shape {tuple(tensor.shape)}; PEFT stores "
+                "[out, 1] (output scaled) or [1, in] (feed-forward, input scaled)"
+            )
+        feedforward = tensor.shape[0] == 1
+        if kinds.setdefault(target, feedforward) != feedforward:
+            raise ValueError(f"{target} is input-scaled in some layers and output-scaled in others")
+        weights[(layer, target)] = tensor.reshape(-1).to(dtype) if dtype else tensor.reshape(-1)
+    declared = options["feedforward_modules"]
+    feedforward_modules = tuple(t for t in TARGET_MODULES if kinds.get(t))
+    if isinstance(declared, list):
+        for target, feedforward in kinds.items():
+            if feedforward != (target in declared):
+                raise ValueError(
+                    f"{target}: adapter config says it is "
+                    f"{'' if target in declared else 'not '}a feed-forward module, but its "
+                    f"ia3_l is stored as {'[1, in]' if feedforward else '[out, 1]'}"
+                )
+    adapter = IA3Adapter(weights=weights, feedforward_modules=feedforward_modules,
+                         base_model_name_or_path=options["base_model_name_or_path"])
+    if shapes is not None and num_layers is not None:
+        adapter.check_compatible(shapes, num_layers)
+    return adapter
+
+
+def _weights_file(path: str) -> str:
+    weights_path = os.path.join(path, ADAPTER_WEIGHTS_NAME)
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, "adapter_model.bin")):
+            raise ValueError(
+                f"{ADAPTER_WEIGHTS_NAME} is missing in {path!r}: only safetensors adapters are "
+                "supported (adapter_model.bin is a pickle, which is not loaded for safety)"
+            )
+        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} is missing in adapter directory {path!r}")
+    return weights_path
+
+
 def save_peft_adapter(
-    adapter: LoRAAdapter, path: str, base_model_name_or_path: str | None = None
+    adapter: LoRAAdapter | IA3Adapter, path: str, base_model_name_or_path: str | None = None
 ) -> None:
-    """Write `adapter` as PEFT does, loadable by `PeftModel.from_pretrained` and by flexserve."""
+    """Write `adapter` (LoRA or (IA)3) as PEFT does, loadable by `PeftModel.from_pretrained` and
+    by flexserve."""
     from safetensors.torch import save_file
 
+    if isinstance(adapter, IA3Adapter):
+        _save_ia3_adapter(adapter, path, base_model_name_or_path)
+        return
+    if not isinstance(adapter, LoRAAdapter):
+        raise ValueError(f"cannot save a {type(adapter).__name__} in the PEFT format")
     os.makedirs(path, exist_ok=True)
     base = base_model_name_or_path or adapter.base_model_name_or_path
     config = {
@@ -252,6 +382,33 @@ def save_peft_adapter(
         prefix = f"base_model.model.model.layers.{layer}.{TARGET_MODULES[target]}.{target}"
         tensors[f"{prefix}.lora_A.weight"] = a.detach().to("cpu").contiguous()
         tensors[f"{prefix}.lora_B.weight"] = b.detach().to("cpu").contiguous()
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _save_ia3_adapter(adapter: IA3Adapter, path: str, base_model_name_or_path: str | None) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "peft_type": "IA3",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path or adapter.base_model_name_or_path,
+        "target_modules": list(adapter.target_modules),
+        "feedforward_modules": list(adapter.feedforward_modules),
+        "exclude_modules": None,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_ia3_weights": True,
+        "inference_mode": True,
+    }
+    tensors = {}
+    for (layer, target), vector in sorted(adapter.weights.items()):
+        key = f"base_model.model.model.layers.{layer}.{TARGET_MODULES[target]}.{target}.ia3_l"
+        shape = (1, -1) if adapter.is_feedforward(target) else (-1, 1)
+        tensors[key] = vector.detach().to("cpu").reshape(shape).contiguous()
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
     with open(os.path.join(path, ADAPTER_CONFIG_NAME), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)

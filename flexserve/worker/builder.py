@@ -56,6 +56,7 @@ def build_executor(config: EngineConfig) -> tuple[ModelRunner, Any | None, Model
         block_size=config.cache.block_size,
         device=str(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
+        num_layers=resolved.hf_config.num_hidden_layers,
     )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max_model_len %d",
