@@ -87,7 +87,9 @@ class FinetuneJobState:
     losses: list[float] = field(default_factory=list)  # mean token loss of each optimizer step
     grad_norms: list[float] = field(default_factory=list)  # pre-clip norm of each step
     num_forward_tokens: int = 0  # windows' tokens scheduled so far (metrics)
-    num_backward_tokens: int = 0  # backward layer-window tokens scheduled / num_layers
+    num_backward_tokens: int = 0  # layer-window tokens of backward windows scheduled so far
+    events: list[str] = field(default_factory=list)  # human-readable progress, oldest first
+    slot_released: bool = False  # the engine gave its LoRA slot back after it ended
 
     @property
     def num_steps(self) -> int:
@@ -207,16 +209,20 @@ class FinetuneScheduler:
                 continue
             job.losses.append(job.step_loss_sum / max(job.step_loss_count, 1))
             job.grad_norms.append(grad_norms.get(job_id, float("nan")))
+            job.events.append(f"Step {job.step_index + 1}/{job.num_steps}: training loss="
+                              f"{job.losses[-1]:.4f}, grad norm={job.grad_norms[-1]:.4f}")
             job.step_loss_sum, job.step_loss_count = 0.0, 0
             job.step_index += 1
             job.next_example = 0
             if job.step_index == job.num_steps:
                 job.status = FinetuneJobStatus.SUCCEEDED
+                job.events.append("The job has successfully completed.")
             changed[job_id] = job
         for job_id, reason in errors.items():
             job = self.jobs.get(job_id)
             if job is not None and not job.finished:
                 self.end_job(job_id, FinetuneJobStatus.FAILED, reason)
+                job.events.append(f"The job failed: {reason}")
                 changed[job_id] = job
         return list(changed.values())
 

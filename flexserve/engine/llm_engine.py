@@ -11,6 +11,11 @@ from typing import Any
 from flexserve.config import EngineConfig
 from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager
 from flexserve.engine.engine_core import EngineCore, Executor, LoRAExecutor, StepStats
+from flexserve.engine.finetune_scheduler import (
+    FinetuneJobState,
+    FinetuneJobStatus,
+    TrainingSequence,
+)
 from flexserve.engine.input_processor import InputProcessor, Prompt
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.output_processor import OutputProcessor
@@ -76,6 +81,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step_stats: StepStats | None = None
         self._lora_ids = itertools.count(1)  # engine-wide adapter ids; next() is thread-safe
+        self._job_ids = itertools.count(1)
         self._failed: dict[str, str] = {}  # parent request id -> why the engine ended it
         if config.lora is not None:
             for name, path in config.lora.lora_modules.items():
@@ -193,6 +199,8 @@ class LLMEngine:
         self.last_step_stats = stats
         if stats is not None and stats.failed_requests:
             self._fail_requests(stats.failed_requests)
+        if result is not None and (result.grad_norms or result.finetune_errors):
+            self._release_finished_jobs()
         self._drop_freed_adapters()
         if result is None:
             return []
@@ -220,6 +228,80 @@ class LLMEngine:
                 logger.error("request %s failed: %s", parent_id, reason)
                 self._failed[parent_id] = reason
                 self.abort_request(parent_id)
+
+    # ---------------------------------------------------------------------------- fine-tuning
+    def add_finetune_job(
+        self, data: Any, hyperparameters: Any, job_id: str | None = None,
+        init_adapter_path: str | None = None,
+    ) -> FinetuneJobState:
+        """Start a LoRA fine-tuning job on tokenized `data` (`flexserve.finetune.TrainingData`)
+        with `Hyperparameters`; its windows ride in the following steps. ValueError when LoRA
+        is off, no slot is free, or an example does not fit max_finetune_len."""
+        from flexserve.finetune.steps import plan_training_steps
+
+        adapters = self._adapters()
+        hp = hyperparameters
+        job_id = job_id or f"ftjob-{next(self._job_ids)}"
+        if job_id in self.scheduler.finetune.jobs:
+            raise ValueError(f"fine-tuning job {job_id!r} exists already")
+        seed = hp.seed if hp.seed is not None else 0
+        steps = plan_training_steps(len(data.examples), hp.batch_size, hp.n_epochs, hp.shuffle,
+                                    seed)
+        owner = f"finetune:{job_id}"
+        lora_request = LoRARequest(owner, next(self._lora_ids), "<fine-tuning job>")
+        slot = adapters.reserve_slot(owner, lora_request)
+        if slot is None:
+            raise ValueError("every LoRA slot is pinned by running requests; retry when they "
+                             "finish or raise max_loras")
+        job = FinetuneJobState(
+            job_id, [TrainingSequence(e.input_ids, e.loss_mask) for e in data.examples],
+            [list(step.example_indices) for step in steps], slot)
+        try:
+            self.scheduler.finetune.add_job(job)
+            self.executor.add_finetune_job(
+                job_id=job_id, lora_slot=slot, hyperparameters=hp, num_training_steps=len(steps),
+                init_adapter_path=init_adapter_path, seed=seed)
+        except Exception:
+            self.scheduler.finetune.remove_job(job_id)
+            adapters.release_slot(owner)
+            raise
+        job.events.extend(event.message for event in data.events)
+        job.events.append(f"Job started: {len(data.examples)} examples, {len(steps)} steps.")
+        logger.info("fine-tuning job %s: %d examples, %d steps, LoRA slot %d", job_id,
+                    len(data.examples), len(steps), slot)
+        return job
+
+    def cancel_finetune_job(self, job_id: str) -> FinetuneJobState:
+        job = self.get_finetune_job(job_id)
+        if not job.finished:
+            self.scheduler.finetune.end_job(job_id, FinetuneJobStatus.CANCELLED)
+            self.executor.end_finetune_job(job_id)
+            job.events.append("Job cancelled.")
+        self._release_finished_jobs()
+        return job
+
+    def get_finetune_job(self, job_id: str) -> FinetuneJobState:
+        job = self.scheduler.finetune.jobs.get(job_id)
+        if job is None:
+            raise ValueError(f"no fine-tuning job {job_id!r}")
+        return job
+
+    def save_finetune_adapter(self, job_id: str, path: str) -> None:
+        """The job's adapter as it is now, in PEFT format."""
+        self.get_finetune_job(job_id)
+        self.executor.save_finetune_adapter(job_id, path)
+
+    def has_finetune_work(self) -> bool:
+        return self.scheduler.finetune.has_work()
+
+    def _release_finished_jobs(self) -> None:
+        adapters = self.scheduler.adapter_manager
+        for job in self.scheduler.finetune.jobs.values():
+            if job.finished and not job.slot_released:
+                job.slot_released = True
+                self.executor.end_finetune_job(job.job_id)
+                if adapters is not None:
+                    adapters.release_slot(f"finetune:{job.job_id}")
 
     # ----------------------------------------------------------------------------------- LoRA
     @property

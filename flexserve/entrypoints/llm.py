@@ -11,6 +11,7 @@ from flexserve.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
+    FinetuneConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -18,6 +19,7 @@ from flexserve.config import (
 from flexserve.engine.adapter_manager import AdapterLoadError
 from flexserve.engine.llm_engine import LLMEngine
 from flexserve.engine.lora_request import LoRARequest
+from flexserve.entrypoints.finetune_job import FinetuneJob, start_finetune_job
 from flexserve.outputs import RequestOutput
 from flexserve.sampling_params import SamplingParams
 
@@ -37,7 +39,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool = False,
                  **kwargs: Any) -> None:
         sections = {}
-        for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig):
+        for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, FinetuneConfig):
             names = set(cls.__dataclass_fields__)
             sections[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
@@ -50,6 +52,7 @@ class LLM:
             cache=CacheConfig(**sections[CacheConfig]),
             scheduler=SchedulerConfig(**sections[SchedulerConfig]),
             lora=lora,
+            finetune=FinetuneConfig(**sections[FinetuneConfig]),
         )
         self.engine = LLMEngine.from_config(config)
 
@@ -59,6 +62,24 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine.from_config(config)
         return llm
+
+    def finetune(
+        self,
+        dataset: Any,
+        lora: dict[str, Any] | None = None,
+        hyperparameters: Any = None,
+        job_id: str | None = None,
+    ) -> FinetuneJob:
+        """Start token-level LoRA fine-tuning on this model (needs enable_lora=True).
+
+        `dataset`: a JSONL path, JSONL bytes or a list of dicts, each {"text"}, {"prompt",
+        "completion"} or {"messages"} (docs/finetuning.md). `lora`: r, alpha, dropout,
+        target_modules, init_adapter. `hyperparameters`: a `Hyperparameters` or its dict
+        (batch_size, learning_rate, lr_scheduler, warmup_steps, weight_decay, max_grad_norm,
+        n_epochs, shuffle, seed, max_seq_len). Returns at once with a handle; the job trains in
+        the engine's steps, alongside any `generate` call (`handle.wait()` to finish it).
+        """
+        return start_finetune_job(self.engine, dataset, lora, hyperparameters, job_id)
 
     def get_tokenizer(self) -> Any | None:
         return self.engine.tokenizer

@@ -8,6 +8,10 @@ Adapters live in `max_loras` device slots of width `max_rank` (rank r < max_rank
 which adds exact zeros). Which slot each token uses comes from the step's `LoRAKernelMeta`, built
 once by the model runner and read here from the forward context. A step whose tokens all use the
 base model runs only the GEMM.
+
+While a fine-tuning forward window is in the batch (a `FinetuneCapture` in the forward context),
+its rows get LoRA dropout on the shrink input and their `{target}_base`, `{target}_xd` and
+`{target}_s` tensors (`flexserve.peft.layer_graph` names) go to the capture.
 """
 
 from __future__ import annotations
@@ -24,8 +28,12 @@ class LoRALinear(nn.Module):
     """Replaces an `nn.Linear`, sharing its `weight` and `bias` Parameters (same names, so
     checkpoints load unchanged), and adds slot-stacked LoRA weights as non-persistent buffers."""
 
-    def __init__(self, base: nn.Linear, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, base: nn.Linear, max_loras: int, max_rank: int, layer_idx: int = -1, target: str = ""
+    ) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # decoder layer and target name (q_proj, ...): where a
+        self.target = target  # fine-tuning capture files this linear's tensors
         self.in_features = base.in_features
         self.out_features = base.out_features
         self.max_loras = max_loras
@@ -44,10 +52,18 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         y = F.linear(x, self.weight, self.bias)
-        meta = get_forward_context().lora_meta
+        context = get_forward_context()
+        meta = context.lora_meta
         if meta is None or not meta.has_lora:
             return y
-        return lora_expand(lora_shrink(x, self.lora_a, meta), self.lora_b, meta, y, self.scaling)
+        capture = context.finetune
+        if capture is None:
+            return lora_expand(lora_shrink(x, self.lora_a, meta), self.lora_b, meta, y, self.scaling)
+        x = capture.lora_input(self, x)  # dropout on the fine-tuning rows
+        capture.take(self.layer_idx, f"{self.target}_base", y)  # before the expand adds into y
+        s = lora_shrink(x, self.lora_a, meta)
+        capture.take_lora_shrink(self, s)
+        return lora_expand(s, self.lora_b, meta, y, self.scaling)
 
     @torch.no_grad()
     def set_slot(

@@ -37,7 +37,7 @@ def attach_lora_linears(
             parent = getattr(layer, parent_name)
             base = getattr(parent, target)
             if not isinstance(base, LoRALinear):
-                base = LoRALinear(base, max_loras, max_rank)
+                base = LoRALinear(base, max_loras, max_rank, index, target)
                 setattr(parent, target, base)
             modules[(index, target)] = base
     return modules

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from flexserve.config import EngineConfig
 from flexserve.engine.lora_request import LoRARequest
-from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult, TokenLogprobs
+from flexserve.engine.plan import (
+    BatchPlan,
+    FinetuneWindow,
+    ScheduledSequence,
+    StepResult,
+    TokenLogprobs,
+)
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.layers.sampler import (
@@ -20,7 +27,11 @@ from flexserve.layers.sampler import (
 )
 from flexserve.model.loader import load_model, resolve_dtype
 from flexserve.model.registry import ResolvedModel
+from flexserve.peft.bypass import target_shapes
+from flexserve.peft.graph_pruning import PruningPlan
+from flexserve.peft.peft_io import load_peft_adapter
 from flexserve.worker.cuda_graphs import CUDAGraphRunner
+from flexserve.worker.finetune_runner import FinetuneJobSpec, FinetuneRunner
 from flexserve.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
@@ -75,6 +86,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CUDAGraphRunner | None = None
+        self.finetune_runner: FinetuneRunner | None = None  # created by the first job
 
     # ----------------------------------------------------------------------------------- KV cache
     def initialize_kv_cache(self, max_model_len: int) -> int:
@@ -132,41 +144,107 @@ class ModelRunner:
         return peak
 
     # ---------------------------------------------------------------------------------- execution
-    @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> StepResult:
-        """Run every row of the plan in one forward; sample rows that reached their end."""
+        """Run every row of the plan in one forward, inference rows first, then fine-tuning
+        forward windows; sample rows that reached their end; then the plan's backward windows
+        and optimizer steps. Fine-tuning keeps tensors past the step for a backward, so such
+        steps run under no_grad instead of inference_mode."""
+        finetune = bool(plan.finetune_starts or plan.finetune_windows or plan.backward_windows
+                        or plan.optimizer_steps)
+        with torch.no_grad() if finetune else torch.inference_mode():
+            return self._execute(plan, finetune)
+
+    def _execute(self, plan: BatchPlan, finetune: bool) -> StepResult:
         start = time.perf_counter()
         result = StepResult()
         rows = plan.sequences
+        errors = result.finetune_errors
         if plan.lora_slot_loads:
             result.lora_load_errors = self._lora().load_slots(plan.lora_slot_loads)
-        input_ids, positions = self._prepare_inputs(rows)
-        metadata = AttentionMetadata.build(
-            [r.num_scheduled_tokens for r in rows],
-            [r.num_computed_tokens for r in rows],
-            [r.block_ids for r in rows],
-            self.block_size,
-            self.device,
-        )
-        lora_meta = None
-        if self.lora_manager is not None and any(r.lora_slot >= 0 for r in rows):
-            lora_meta = LoRAKernelMeta.build(
-                [r.num_scheduled_tokens for r in rows], [r.lora_slot for r in rows], self.device)
-        if (self.graph_runner is not None and metadata.max_query_len == 1
-                and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
-            hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
-        else:
-            with set_forward_context(metadata, lora_meta):
-                hidden = self.model(input_ids, positions)
-        last_token_index = metadata.query_start_loc[1:] - 1
-        sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
-        if sample_rows:
-            self._sample(rows, sample_rows, hidden, last_token_index, result)
-        self._prompt_logprobs(rows, hidden, result)
+        if finetune:
+            self._finetune().start_sequences(plan.finetune_starts, errors)
+        # Windows of a job that failed (now or earlier) leave the batch; the engine ends the job.
+        windows = [w for w in plan.finetune_windows
+                   if w.job_id not in errors and self._finetune().has_sequence(w)] \
+            if plan.finetune_windows else []
+        row_lens = [r.num_scheduled_tokens for r in rows] + [w.end - w.start for w in windows]
+        row_slots = [r.lora_slot for r in rows] + [w.lora_slot for w in windows]
+        if row_lens:
+            input_ids, positions = self._prepare_inputs(rows, windows)
+            num_computed = [r.num_computed_tokens for r in rows] + [w.start for w in windows]
+            block_tables = [r.block_ids for r in rows] + [
+                self._finetune().block_ids(w.job_id, w.sequence_id) for w in windows]
+            metadata = AttentionMetadata.build(
+                row_lens, num_computed, block_tables, self.block_size, self.device)
+            lora_meta = None
+            if self.lora_manager is not None and any(slot >= 0 for slot in row_slots):
+                lora_meta = LoRAKernelMeta.build(row_lens, row_slots, self.device)
+            capture = None
+            if windows:
+                capture = self._finetune().capture_windows(
+                    windows, sum(r.num_scheduled_tokens for r in rows), errors)
+            if (capture is None and self.graph_runner is not None
+                    and metadata.max_query_len == 1
+                    and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
+                hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
+            else:
+                with set_forward_context(metadata, lora_meta, finetune=capture):
+                    hidden = self.model(input_ids, positions)
+            if capture is not None:
+                self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
+            last_token_index = metadata.query_start_loc[1:] - 1
+            sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
+            if sample_rows:
+                self._sample(rows, sample_rows, hidden, last_token_index, result)
+            self._prompt_logprobs(rows, hidden, result)
+        if finetune:
+            runner = self._finetune()
+            runner.run_backward(plan.backward_windows, errors)
+            runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
+            runner.finish_sequences(plan.finished_finetune_sequences)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         result.execute_time = time.perf_counter() - start
         return result
+
+    # ------------------------------------------------------------------------------ fine-tuning
+    def add_finetune_job(self, job_id: str, lora_slot: int, hyperparameters: Any,
+                         num_training_steps: int, init_adapter_path: str | None,
+                         seed: int) -> PruningPlan:
+        """Set up a job's adapter (in its reserved slot), optimizer and pruning plan.
+        `init_adapter_path`: a PEFT LoRA directory to start from (checked against the model)."""
+        runner = self._finetune()
+        init = None
+        if init_adapter_path is not None:
+            lora = self.config.lora
+            init = load_peft_adapter(init_adapter_path, target_shapes(self.hf_config),
+                                     self.hf_config.num_hidden_layers, lora.max_lora_rank,
+                                     lora.allowed_adapter_dir, torch.float32)
+        return runner.add_job(FinetuneJobSpec(job_id, lora_slot, hyperparameters,
+                                              num_training_steps, init, seed))
+
+    def end_finetune_job(self, job_id: str) -> None:
+        """The job stopped: drop its sequences' activations (its weights stay for `save`)."""
+        if self.finetune_runner is not None:
+            self.finetune_runner.end_job(job_id)
+
+    def remove_finetune_job(self, job_id: str) -> None:
+        if self.finetune_runner is not None:
+            self.finetune_runner.remove_job(job_id)
+
+    def save_finetune_adapter(self, job_id: str, path: str) -> None:
+        """Write a job's current adapter in PEFT format."""
+        self._finetune().save_adapter(job_id, path, self.config.model.model)
+
+    def _finetune(self) -> FinetuneRunner:
+        if self.finetune_runner is None:
+            if self.lora_manager is None:
+                raise ValueError("fine-tuning needs LoRA slots: enable LoRA (--enable-lora)")
+            ft = self.config.finetune
+            self.finetune_runner = FinetuneRunner(
+                self.model, self.hf_config, self.block_size, self.device, self.dtype,
+                self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows)
+        return self.finetune_runner
 
     # ---------------------------------------------------------------------------------------- LoRA
     def add_lora(self, lora_request: LoRARequest) -> None:
@@ -185,12 +263,17 @@ class ModelRunner:
             raise ValueError("LoRA is not enabled in this engine")
         return self.lora_manager
 
-    def _prepare_inputs(self, rows: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare_inputs(
+        self, rows: list[ScheduledSequence], windows: list[FinetuneWindow] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         token_ids: list[int] = []
         positions: list[int] = []
         for r in rows:
             token_ids.extend(r.new_token_ids)
             positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens))
+        for w in windows:
+            token_ids.extend(self._finetune().token_ids(w.job_id, w.sequence_id)[w.start:w.end])
+            positions.extend(range(w.start, w.end))
         # One host->device copy each; pinned memory lets the copy overlap on CUDA.
         pin = self.device.type == "cuda"
         ids = torch.tensor(token_ids, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)

@@ -1,0 +1,340 @@
+"""What fine-tuning forward windows keep for the layer-wise backward (FlexLLM 5.2 and 6.1).
+
+A fine-tuning forward window is one more row of a step's flat batch, like a prefill chunk. While
+the model runs, a `FinetuneCapture` set as the forward context's `finetune` receives the named
+tensors of `flexserve.peft.layer_graph` from every decoder layer and LoRA linear, and copies the
+window rows of exactly the tensors the pruning plan stores into the sequence's `ActivationStore`:
+token-indexed per layer, so windows write slices and backward windows read slices. K and V stay
+in the paged KV cache; the backward rematerializes everything else from these.
+
+LoRA dropout masks are a counter-based hash of (seed, layer, target, position, column), not a
+random stream: the forward of one window split and the backward of any other split see the same
+mask, and a plan may keep the mask as a bitmask (1 bit per element, FlexLLM's compression) or
+not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flexserve.peft.bypass import TARGET_MODULES
+from flexserve.peft.layer_graph import LayerGraph
+
+COMPRESSIONS = ("bitmask",)
+_TARGET_INDEX = {target: i for i, target in enumerate(TARGET_MODULES)}
+_M32 = 0xFFFFFFFF
+
+
+# ------------------------------------------------------------------------------------- dropout
+def _mul32(x: Any, c: int) -> Any:
+    # (x * c) mod 2^32 for 0 <= x < 2^32, in 16-bit halves so int64 tensors never overflow.
+    return (((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c) & _M32
+
+
+def _hash32(x: Any) -> Any:
+    """A 32-bit integer mix (lowbias32) of Python ints or int64 tensors in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def dropout_keep_mask(
+    seed: int, layer: int, target: str, start: int, num_tokens: int, width: int, p: float,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """bool [num_tokens, width]: which inputs LoRA dropout keeps at positions [start, start + n)
+    of `target` in `layer`; each is kept with probability 1 - p, the same for any window split."""
+    salt = _hash32((_hash32(seed & _M32) ^ (layer * len(TARGET_MODULES) + _TARGET_INDEX[target]))
+                   & _M32)
+    positions = torch.arange(start, start + num_tokens, device=device, dtype=torch.int64)
+    columns = torch.arange(width, device=device, dtype=torch.int64)
+    row_keys = _hash32((positions ^ salt) & _M32)
+    column_keys = _hash32((columns + 0x9E3779B9) & _M32)
+    bits = _hash32(row_keys[:, None] ^ column_keys[None, :])
+    return bits >= int(round(p * 2**32))
+
+
+def apply_lora_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """x with dropped entries zeroed and kept ones scaled by 1 / (1 - p) (torch's Dropout)."""
+    return x * (keep.to(x.dtype) / (1.0 - p))
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """bool [n, width] -> uint8 [n, ceil(width / 8)], bit j of byte b is column 8 * b + j."""
+    n, width = mask.shape
+    padded = F.pad(mask.to(torch.uint8), (0, -width % 8)).view(n, -1, 8)
+    shifts = torch.arange(8, device=mask.device, dtype=torch.uint8)
+    return (padded << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """The inverse of `pack_bits`: uint8 [n, ceil(width / 8)] -> bool [n, width]."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    bits = (packed[..., None] >> shifts) & 1
+    return bits.view(packed.shape[0], -1)[:, :width].bool()
+
+
+# ------------------------------------------------------------------------------- the store
+def _element_dtype(spec_dtype: str, act_dtype: torch.dtype) -> torch.dtype:
+    return {"act": act_dtype, "fp32": torch.float32}[spec_dtype]
+
+
+class ActivationStore:
+    """The activations one fine-tuning sequence keeps for its backward.
+
+    `plan` is a `flexserve.peft.graph_pruning.PruningPlan` (or anything with its `stored`,
+    `kv_cache`, `rematerialized` and `compressed`) for every layer, or a list of one per layer
+    (e.g. layer 0's from `plan_pruning(..., input_grad=False)`). In each layer every tensor of
+    `stored` is a buffer [max_len, width] of its graph dtype ("act": `dtype`, the model's), except
+    KV-cache tensors (k, v_out: not kept here) and bool tensors (dropout masks), which are packed
+    bitmasks [max_len, ceil(width / 8)] uint8. All buffers are allocated here, once.
+    `lora_dropout` and `dropout_seed` are the job's; the graph has dropout ops exactly when
+    lora_dropout > 0.
+    """
+
+    def __init__(
+        self, graph: LayerGraph, plan: Any, num_layers: int, max_len: int, dtype: torch.dtype,
+        device: torch.device | str, *, lora_dropout: float = 0.0, dropout_seed: int = 0,
+    ) -> None:
+        if num_layers < 1 or max_len < 1:
+            raise ValueError(f"num_layers ({num_layers}) and max_len ({max_len}) must be >= 1")
+        plans = list(plan) if isinstance(plan, (list, tuple)) else [plan] * num_layers
+        if len(plans) != num_layers:
+            raise ValueError(f"{len(plans)} plans for {num_layers} layers")
+        has_dropout = any(op.kind == "dropout" for op in graph.ops)
+        if not 0.0 <= lora_dropout < 1.0 or has_dropout != (lora_dropout > 0):
+            raise ValueError(f"lora_dropout {lora_dropout} does not match the layer graph, which "
+                             f"{'has' if has_dropout else 'has no'} dropout ops")
+        graph_kv = frozenset(n for n, spec in graph.tensors.items() if spec.storage == "kv_cache")
+        self.graph = graph
+        self.num_layers = num_layers
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.lora_dropout = lora_dropout
+        self.dropout_seed = dropout_seed
+        self.kv_cache_names = graph_kv  # read from the paged KV cache, never kept here
+        self.dropout_targets = frozenset(
+            op.name.split(".")[0] for op in graph.ops if op.kind == "dropout")
+        self.stored_names: list[frozenset[str]] = []  # per layer: kept in full
+        self.bitmask_names: list[frozenset[str]] = []  # per layer: kept as packed bits
+        self._row_bytes: dict[tuple[int, str], int] = {}
+        self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        for layer, layer_plan in enumerate(plans):
+            full, bits = _check_plan_names(graph, layer_plan, graph_kv)
+            self.stored_names.append(full)
+            self.bitmask_names.append(bits)
+            for name in sorted(full | bits):
+                width = graph.tensors[name].width
+                if name in bits:
+                    shape, elem = (max_len, -(-width // 8)), torch.uint8
+                else:
+                    shape, elem = (max_len, width), _element_dtype(graph.tensors[name].dtype, dtype)
+                buf = torch.empty(shape, dtype=elem, device=self.device)
+                self._buffers[(layer, name)] = buf
+                self._row_bytes[(layer, name)] = buf[0].nbytes
+        self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._buffers, 0)
+        self.num_forward_tokens = 0  # positions [0, this) have been through the forward
+
+    def layer_bytes_per_token(self, layer: int) -> int:
+        """Bytes one token keeps in `layer` (what its plan's bytes_per_token predicts)."""
+        return sum(n for (i, _), n in self._row_bytes.items() if i == layer)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the buffers still allocated."""
+        return sum(buf.nbytes for buf in self._buffers.values())
+
+    @property
+    def num_bytes_stored(self) -> int:
+        """Bytes the forward windows have written into the buffers still allocated."""
+        return sum(n * self._row_bytes[key] for key, n in self._num_written.items())
+
+    def keeps(self, layer: int, name: str) -> bool:
+        """Whether `layer` keeps `name` in full (not as a bitmask, not in the KV cache)."""
+        return name in self.stored_names[layer]
+
+    def begin_window(self, start: int, num_tokens: int) -> None:
+        """Admit the forward window [start, start + num_tokens): windows come in order."""
+        if start != self.num_forward_tokens or num_tokens < 1:
+            raise ValueError(f"forward window [{start}, {start + num_tokens}) is out of order: the "
+                             f"next window starts at {self.num_forward_tokens}")
+        if start + num_tokens > self.max_len:
+            raise ValueError(f"forward window [{start}, {start + num_tokens}) runs past the "
+                             f"store's max_len {self.max_len}")
+        self.num_forward_tokens = start + num_tokens
+
+    def write(self, layer: int, name: str, start: int, rows: torch.Tensor) -> None:
+        """Copy rows [n, >= width] (cast to the buffer's dtype) to positions [start, start + n)."""
+        key = (layer, name)
+        buf = self._buffers[key]
+        n = rows.shape[0]
+        buf[start:start + n].copy_(rows[:, :buf.shape[1]])
+        self._num_written[key] = max(self._num_written[key], start + n)
+
+    def write_mask(self, layer: int, name: str, start: int, keep: torch.Tensor) -> None:
+        """Pack a bool [n, width] mask into the bitmask of `name` at [start, start + n)."""
+        key = (layer, name)
+        self._buffers[key][start:start + keep.shape[0]].copy_(pack_bits(keep))
+        self._num_written[key] = max(self._num_written[key], start + keep.shape[0])
+
+    def read(self, layer: int, name: str, start: int, end: int) -> torch.Tensor:
+        """Positions [start, end) of a tensor kept in full: a view [end - start, width]."""
+        return self._buffer_rows(layer, name, end)[start:end]
+
+    def dropout_mask(self, layer: int, target: str, start: int, end: int) -> torch.Tensor:
+        """bool [end - start, in]: the LoRA dropout mask of `target` (`{target}_mask`), from the
+        bitmask when kept and regenerated otherwise: both are the mask the forward used."""
+        name = f"{target}_mask"
+        width = self.graph.tensors[name].width
+        if name in self.bitmask_names[layer]:
+            return unpack_bits(self._buffer_rows(layer, name, end)[start:end], width)
+        return dropout_keep_mask(self.dropout_seed, layer, target, start, end - start, width,
+                                 self.lora_dropout, self.device)
+
+    def free_layer(self, layer: int) -> None:
+        """Release one layer's buffers (its backward is done)."""
+        for key in [key for key in self._buffers if key[0] == layer]:
+            del self._buffers[key]
+            del self._num_written[key]
+
+    def _buffer_rows(self, layer: int, name: str, end: int) -> torch.Tensor:
+        key = (layer, name)
+        if key not in self._buffers:
+            raise KeyError(f"layer {layer} keeps no {name!r} (freed, or not in the plan)")
+        if end > self._num_written[key]:
+            raise RuntimeError(
+                f"layer {layer} {name!r}: positions up to {end} were asked for but only "
+                f"{self._num_written[key]} were captured (forward windows without the capture, "
+                "or fine-tuning rows without their LoRA slot?)")
+        return self._buffers[key]
+
+
+def _check_plan_names(
+    graph: LayerGraph, plan: Any, graph_kv: frozenset[str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(kept in full, kept as bitmasks) of one layer's plan; ValueError for names the graph
+    lacks, KV tensors outside the cache, or a compression other than a bool tensor's bitmask."""
+    compressed = dict(plan.compressed)
+    for group, names in (("stored", plan.stored), ("kv_cache", plan.kv_cache),
+                         ("rematerialized", plan.rematerialized), ("compressed", compressed)):
+        unknown = sorted(set(names) - set(graph.tensors))
+        if unknown:
+            raise ValueError(f"plan.{group} names tensors the layer graph lacks: {unknown}")
+    if not set(plan.kv_cache) <= graph_kv:
+        raise ValueError(f"the paged KV cache holds only {sorted(graph_kv)}, not "
+                         f"{sorted(set(plan.kv_cache) - graph_kv)}")
+    for name, how in compressed.items():
+        if how not in COMPRESSIONS or graph.tensors[name].dtype != "bool":
+            raise ValueError(f"compression {how!r} of {name} is not supported: only bool tensors "
+                             f"(dropout masks) are kept compressed, as {COMPRESSIONS}")
+    stored = frozenset(plan.stored) | frozenset(compressed)
+    bits = frozenset(n for n in stored if graph.tensors[n].dtype == "bool")
+    return stored - graph_kv - bits, bits
+
+
+# ------------------------------------------------------------------------------- the capture
+@dataclass(slots=True)
+class CaptureWindow:
+    """One fine-tuning forward window in the step's flat batch."""
+
+    store: ActivationStore  # the sequence's store
+    flat_start: int  # the window's first token in the flat batch
+    start: int  # that token's position in the sequence
+    num_tokens: int  # window length
+    lora_slot: int  # the job adapter's LoRA slot (the rows' slot in the step's LoRAKernelMeta)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.flat_start, self.flat_start + self.num_tokens)
+
+
+class FinetuneCapture:
+    """The forward context's `finetune` for one step: copies fine-tuning rows into their stores.
+
+    Register every fine-tuning window with `add_window` before the forward; afterwards
+    `final_stream(i)` is window i's output of the last decoder layer (before the final norm),
+    where `window_loss` starts.
+    """
+
+    def __init__(self) -> None:
+        self.windows: list[CaptureWindow] = []
+        self._final: torch.Tensor | None = None
+
+    def add_window(
+        self, store: ActivationStore, flat_start: int, start: int, num_tokens: int, lora_slot: int
+    ) -> int:
+        """Register a window; returns its index. ValueError when out of order or overlapping."""
+        if flat_start < 0 or (lora_slot < 0 and store.graph.bypass):
+            raise ValueError(f"flat_start ({flat_start}) and, for a job with bypass networks, "
+                             f"lora_slot ({lora_slot}) must be >= 0")
+        for w in self.windows:
+            if w.store is store:
+                raise ValueError("a sequence has at most one forward window per step")
+            if flat_start < w.flat_start + w.num_tokens and w.flat_start < flat_start + num_tokens:
+                raise ValueError(f"flat rows [{flat_start}, {flat_start + num_tokens}) overlap "
+                                 "another fine-tuning window")
+        store.begin_window(start, num_tokens)
+        self.windows.append(CaptureWindow(store, flat_start, start, num_tokens, lora_slot))
+        return len(self.windows) - 1
+
+    def wants(self, layer: int, name: str) -> bool:
+        """Whether some window's store keeps `name` in full (to skip computing it otherwise)."""
+        return any(w.store.keeps(layer, name) for w in self.windows)
+
+    def take(self, layer: int, name: str, tensor: torch.Tensor) -> None:
+        """`tensor` [T, width] of the flat batch: store the window rows where the plan keeps it."""
+        for w in self.windows:
+            if w.store.keeps(layer, name):
+                w.store.write(layer, name, w.start, tensor[w.rows])
+
+    def lora_input(self, module: Any, x: torch.Tensor) -> torch.Tensor:
+        """The shrink input of a `LoRALinear`: x, with LoRA dropout applied to the rows of
+        windows whose job has dropout on this target (their masks go to the stores)."""
+        out = x
+        for w in self.windows:
+            if module.target not in w.store.dropout_targets:
+                continue
+            if module.layer_idx < 0:
+                raise RuntimeError("a LoRALinear without layer_idx: use attach_lora_linears")
+            store, layer, target = w.store, module.layer_idx, module.target
+            keep = dropout_keep_mask(store.dropout_seed, layer, target, w.start, w.num_tokens,
+                                     x.shape[1], store.lora_dropout, x.device)
+            if out is x:
+                out = x.clone()
+            out[w.rows] = apply_lora_dropout(x[w.rows], keep, store.lora_dropout)
+            if f"{target}_mask" in store.bitmask_names[layer]:
+                store.write_mask(layer, f"{target}_mask", w.start, keep)
+            if store.keeps(layer, f"{target}_xd"):
+                store.write(layer, f"{target}_xd", w.start, out[w.rows])
+        return out
+
+    def take_lora_shrink(self, module: Any, s: torch.Tensor) -> None:
+        """A `LoRALinear`'s shrink output s [T, max_rank] (fp32): `{target}_s`, and
+        `{target}_delta` where a plan keeps it (recomputed for the window rows only)."""
+        layer, target = module.layer_idx, module.target
+        for w in self.windows:
+            store = w.store
+            if store.keeps(layer, f"{target}_s"):
+                store.write(layer, f"{target}_s", w.start, s[w.rows])
+            if store.keeps(layer, f"{target}_delta"):
+                rank = store.graph.tensors[f"{target}_s"].width
+                b = module.lora_b[w.lora_slot, :, :rank].float()
+                delta = (s[w.rows, :rank].float() @ b.T) * module.scaling[w.lora_slot]
+                store.write(layer, f"{target}_delta", w.start, delta)
+
+    def take_final(self, stream: torch.Tensor) -> None:
+        """The last layer's output stream [T, hidden] of the whole flat batch."""
+        self._final = stream
+
+    def final_stream(self, index: int) -> torch.Tensor:
+        """Window `index`'s rows of the last layer's output [num_tokens, hidden] (pre-norm)."""
+        if self._final is None:
+            raise RuntimeError("the forward has not run under this capture yet")
+        return self._final[self.windows[index].rows]

@@ -1,0 +1,284 @@
+"""The worker side of token-level fine-tuning: each job's adapter, optimizer and pruning plan, and
+each running sequence's activation store and layer-wise backward (FlexLLM 5.2, 6.1).
+
+The model runner calls, per step: `start_sequences` (plan.finetune_starts), `capture_windows`
+before the shared forward (so the model's layers hand the windows' tensors to their stores),
+`window_losses` after it, then `run_backward` (plan.backward_windows), `optimizer_steps` and
+`finish_sequences`. A job's adapter lives in one LoRA slot for the job's whole run, in the model's
+dtype, copied from the fp32 master weights after every optimizer step. A failing job is reported
+in the step result and dropped; the server and other jobs go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flexserve.engine.plan import BackwardWindow, FinetuneSequenceStart, FinetuneWindow
+from flexserve.finetune.hyperparameters import Hyperparameters
+from flexserve.finetune.optimizer import AdapterOptimizer
+from flexserve.peft.bypass import TARGET_MODULES, target_shapes
+from flexserve.peft.graph_pruning import DEFAULT_REMAT_THRESHOLD, PruningPlan, plan_pruning
+from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
+from flexserve.peft.lora import LoRAAdapter, lora_scaling
+from flexserve.peft.peft_io import save_peft_adapter
+from flexserve.worker.activation_store import ActivationStore, FinetuneCapture
+from flexserve.worker.layer_backward import SequenceBackward, lora_grad_name
+from flexserve.worker.window_loss import window_loss
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class FinetuneJobSpec:
+    """What the worker needs to run a job (the engine builds it from the job's request)."""
+
+    job_id: str
+    lora_slot: int  # the device slot reserved for the job's adapter
+    hyperparameters: Hyperparameters
+    num_training_steps: int
+    init_adapter: LoRAAdapter | None = None  # start from these weights (else PEFT's init)
+    seed: int = 0  # adapter init and dropout masks
+
+
+@dataclass(slots=True)
+class _Sequence:
+    start: FinetuneSequenceStart
+    store: ActivationStore
+    backward: SequenceBackward
+
+
+class _Job:
+    """One job's adapter, optimizer and plan on the device."""
+
+    def __init__(self, spec: FinetuneJobSpec, model: Any, hf_config: Any, device: torch.device,
+                 dtype: torch.dtype, remat_threshold: float | None) -> None:
+        lora = spec.hyperparameters.lora
+        self.spec = spec
+        if spec.init_adapter is not None:
+            adapter = spec.init_adapter
+            rank, alpha, rslora = adapter.rank, adapter.lora_alpha, adapter.use_rslora
+            targets = adapter.target_modules
+            if set(targets) != set(lora.target_modules):
+                logger.info("job %s: init_adapter targets %s (not %s)", spec.job_id,
+                            list(targets), lora.target_modules)
+        else:
+            rank, alpha, rslora, targets = lora.r, lora.alpha, False, tuple(lora.target_modules)
+            adapter = LoRAAdapter.create(
+                target_shapes(hf_config), hf_config.num_hidden_layers, rank, alpha, targets,
+                generator=torch.Generator().manual_seed(spec.seed))
+        self.rank, self.lora_alpha, self.use_rslora = rank, alpha, rslora
+        self.scaling = lora_scaling(rank, alpha, rslora)
+        self.dropout = lora.dropout
+        self.graph: LayerGraph = build_layer_graph(
+            hf_config, {t: "lora" for t in targets}, rank=rank, dropout=lora.dropout)
+        element = torch.empty((), dtype=dtype).element_size()
+        self.plan: PruningPlan = plan_pruning(
+            self.graph, element,
+            DEFAULT_REMAT_THRESHOLD if remat_threshold is None else remat_threshold)
+        params = {}
+        for (layer, target), (a, b) in adapter.weights.items():
+            params[lora_grad_name(layer, target, "A")] = a.to(device=device, dtype=torch.float32)
+            params[lora_grad_name(layer, target, "B")] = b.to(device=device, dtype=torch.float32)
+        self.keys = sorted(adapter.weights)
+        self.optimizer = AdapterOptimizer.from_hyperparameters(
+            params, spec.hyperparameters, spec.num_training_steps)
+        self.model = model
+        self.sequences: dict[int, _Sequence] = {}
+        self.write_slot()
+
+    def write_slot(self) -> None:
+        """Copy the fp32 masters into the job's slot in the model's dtype."""
+        masters = self.optimizer.masters
+        for layer, target in self.keys:
+            module = getattr(getattr(self.model.model.layers[layer],
+                                     TARGET_MODULES[target]), target)
+            module.set_slot(self.spec.lora_slot, masters[lora_grad_name(layer, target, "A")],
+                            masters[lora_grad_name(layer, target, "B")], self.scaling)
+
+    def adapter(self) -> LoRAAdapter:
+        """The current weights as a LoRA adapter on the CPU (fp32)."""
+        masters = self.optimizer.masters
+        weights = {(layer, target): (masters[lora_grad_name(layer, target, "A")].cpu().clone(),
+                                     masters[lora_grad_name(layer, target, "B")].cpu().clone())
+                   for layer, target in self.keys}
+        return LoRAAdapter(rank=self.rank, lora_alpha=self.lora_alpha, weights=weights,
+                           use_rslora=self.use_rslora, lora_dropout=self.dropout)
+
+
+class FinetuneRunner:
+    """All fine-tuning jobs of one model runner."""
+
+    def __init__(self, model: Any, hf_config: Any, block_size: int, device: torch.device,
+                 dtype: torch.dtype, lora_manager: Any, remat_threshold: float | None = None,
+                 loss_chunk_rows: int = 1024) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.lora_manager = lora_manager
+        self.remat_threshold = remat_threshold
+        self.loss_chunk_rows = loss_chunk_rows
+        self.jobs: dict[str, _Job] = {}
+        self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
+
+    # --------------------------------------------------------------------------------- jobs
+    def add_job(self, spec: FinetuneJobSpec) -> PruningPlan:
+        """Create the job's adapter in its slot and its optimizer; returns its pruning plan."""
+        if spec.job_id in self.jobs:
+            raise ValueError(f"fine-tuning job {spec.job_id!r} exists already")
+        with torch.no_grad():
+            job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
+                       self.remat_threshold)
+        self.jobs[spec.job_id] = job
+        return job.plan
+
+    def end_job(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.sequences.clear()
+            self._count_bytes()
+
+    def remove_job(self, job_id: str) -> None:
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            job.sequences.clear()
+            self._count_bytes()
+
+    def save_adapter(self, job_id: str, path: str, base_model_name_or_path: str | None) -> None:
+        save_peft_adapter(self._job(job_id).adapter(), path, base_model_name_or_path)
+
+    def adapter(self, job_id: str) -> LoRAAdapter:
+        return self._job(job_id).adapter()
+
+    def _job(self, job_id: str) -> _Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise ValueError(f"no fine-tuning job {job_id!r} on this worker")
+        return job
+
+    def has_sequence(self, window: FinetuneWindow) -> bool:
+        return self._sequence(window.job_id, window.sequence_id) is not None
+
+    def token_ids(self, job_id: str, sequence_id: int) -> list[int]:
+        seq = self._sequence(job_id, sequence_id)
+        if seq is None:
+            raise ValueError(f"fine-tuning sequence {job_id}:{sequence_id} was not started")
+        return seq.start.token_ids
+
+    def block_ids(self, job_id: str, sequence_id: int) -> list[int]:
+        seq = self._sequence(job_id, sequence_id)
+        if seq is None:
+            raise ValueError(f"fine-tuning sequence {job_id}:{sequence_id} was not started")
+        return seq.start.block_ids
+
+    # --------------------------------------------------------------------------------- a step
+    def start_sequences(self, starts: list[FinetuneSequenceStart], errors: dict[str, str]) -> None:
+        for start in starts:
+            job = self.jobs.get(start.job_id)
+            if job is None or start.job_id in errors:
+                continue
+            try:
+                n = len(start.token_ids)
+                store = ActivationStore(
+                    job.graph, job.plan, len(self.model.model.layers), n, self.dtype,
+                    self.device, lora_dropout=job.dropout,
+                    dropout_seed=_dropout_seed(job.spec.seed, start.sequence_id))
+                backward = SequenceBackward(self.model, store, n, start.block_ids,
+                                            self.block_size, job.spec.lora_slot,
+                                            job.optimizer.grads)
+                job.sequences[start.sequence_id] = _Sequence(start, store, backward)
+            except (ValueError, RuntimeError) as e:
+                self._fail(start.job_id, e, errors)
+        self._count_bytes()
+
+    def capture_windows(self, windows: list[FinetuneWindow], first_row: int,
+                        errors: dict[str, str]) -> FinetuneCapture:
+        """The forward context's capture; window i's rows start at `first_row` + earlier ones."""
+        capture = FinetuneCapture()
+        row = first_row
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            n = window.end - window.start
+            if seq is not None and window.job_id not in errors:
+                capture.add_window(seq.store, row, window.start, n, window.lora_slot)
+            row += n
+        return capture
+
+    def window_losses(self, capture: FinetuneCapture, windows: list[FinetuneWindow],
+                      losses: dict, errors: dict[str, str]) -> None:
+        index = 0
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            if seq is None or window.job_id in errors:
+                continue
+            try:
+                start = seq.start
+                grad_out = seq.backward.residual_grad[window.start:window.end]
+                loss = window_loss(self.model, capture.final_stream(index), start.token_ids,
+                                   start.loss_mask, window.start, grad_out, start.loss_scale,
+                                   self.loss_chunk_rows)
+                losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens)
+            except (ValueError, RuntimeError) as e:
+                self._fail(window.job_id, e, errors)
+            index += 1
+
+    def run_backward(self, windows: list[BackwardWindow], errors: dict[str, str]) -> None:
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            if seq is None or window.job_id in errors:
+                continue
+            try:
+                seq.backward.backward_window(window.layer, window.start, window.end)
+            except (ValueError, RuntimeError) as e:
+                self._fail(window.job_id, e, errors)
+        self._count_bytes()
+
+    def optimizer_steps(self, job_ids: list[str], grad_norms: dict[str, float],
+                        errors: dict[str, str]) -> None:
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job_id in errors:
+                continue
+            try:
+                with torch.no_grad():
+                    norm = job.optimizer.step()
+                    if not math.isfinite(norm):
+                        raise RuntimeError(f"the gradient norm is {norm}: the step diverged")
+                    job.write_slot()
+                grad_norms[job_id] = norm
+            except (ValueError, RuntimeError) as e:
+                self._fail(job_id, e, errors)
+
+    def finish_sequences(self, finished: list[tuple[str, int]]) -> None:
+        for job_id, sequence_id in finished:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                job.sequences.pop(sequence_id, None)
+        self._count_bytes()
+
+    # ------------------------------------------------------------------------------ internals
+    def _sequence(self, job_id: str, sequence_id: int) -> _Sequence | None:
+        job = self.jobs.get(job_id)
+        return None if job is None else job.sequences.get(sequence_id)
+
+    def _fail(self, job_id: str, error: Exception, errors: dict[str, str]) -> None:
+        logger.error("fine-tuning job %s failed: %s", job_id, error)
+        errors[job_id] = str(error)
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.sequences.clear()
+
+    def _count_bytes(self) -> None:
+        self.num_activation_bytes = sum(
+            seq.store.num_bytes for job in self.jobs.values() for seq in job.sequences.values())
+
+
+def _dropout_seed(job_seed: int, sequence_id: int) -> int:
+    """A distinct dropout stream per sequence of a job (31 bits)."""
+    return (job_seed * 1_000_003 + sequence_id) & 0x7FFFFFFF

@@ -1,0 +1,387 @@
+"""Layer-wise backward of one fine-tuning sequence, window by window (FlexLLM algorithm 2, 12-21).
+
+Layers go from the top down; inside a layer, windows go from the end of the sequence to the start,
+of any sizes. Backward window [start, end) of layer n:
+
+1. reads dL/dx_next of its rows from the sequence's residual-gradient buffer (the window loss
+   wrote the top layer's, layer n + 1 wrote the others);
+2. runs the manual backward of the ops of the layer graph (`flexserve.peft.layer_graph`) in
+   reverse, reading the tensors the pruning plan stored and rematerializing the others from their
+   producer ops; frozen linears give dX only, LoRA ops also dA and dB;
+3. attention: recomputes the window's queries over keys [0, end) from the paged KV cache under
+   autograd (SDPA: flash / memory-efficient kernels on GPU, math on CPU), which gives dQ of the
+   window and dK, dV of all positions [0, end). Those go into the layer's KV-gradient accumulator;
+   the window's own dK, dV are then the accumulator's rows [start, end), complete because every
+   later window has already added its share;
+4. writes dL/dx of its rows into the residual buffer, for layer n - 1.
+
+After a layer's last window (start == 0) the accumulator is zeroed for the layer below and the
+layer's stored activations are freed. Any split gives whole-sequence backprop's gradients.
+
+Precision: activations and frozen weights in the model's dtype (GEMMs run in it); gradients, the
+residual buffer, the accumulators and the LoRA math in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from flexserve.layers.lora_linear import LoRALinear
+from flexserve.layers.rotary import rotate
+from flexserve.peft.bypass import TARGET_MODULES, target_shapes
+from flexserve.peft.layer_graph import LayerGraph, Op
+from flexserve.worker.activation_store import ActivationStore, apply_lora_dropout
+
+
+def lora_grad_name(layer: int, target: str, half: str) -> str:
+    """PEFT's saved name of a LoRA tensor; half is "A" or "B"."""
+    parent = TARGET_MODULES[target]
+    return f"base_model.model.model.layers.{layer}.{parent}.{target}.lora_{half}.weight"
+
+
+def lora_grad_buffers(
+    graph: LayerGraph, hf_config: Any, num_layers: int, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """Zeroed fp32 gradients, by PEFT name, of every LoRA tensor `graph` trains in each layer."""
+    shapes = target_shapes(hf_config)
+    grads = {}
+    for layer in range(num_layers):
+        for target, kind in graph.bypass.items():
+            if kind == "lora":
+                rank = graph.tensors[f"{target}_s"].width
+                n_in, n_out = shapes[target]
+                grads[lora_grad_name(layer, target, "A")] = torch.zeros(rank, n_in, device=device)
+                grads[lora_grad_name(layer, target, "B")] = torch.zeros(n_out, rank, device=device)
+    return grads
+
+
+# ------------------------------------------------------------------------------ op math
+def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` without a residual: normalize in fp32, cast back, scale."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rmsnorm_backward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
+) -> torch.Tensor:
+    """fp32 dL/dx of y = weight * x / rms(x) (frozen weight), given dL/dy."""
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    d = grad * weight.float()
+    return rstd * (d - h * (rstd * rstd) * (d * h).mean(-1, keepdim=True))
+
+
+def rope_backward(
+    grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    """The rotation's transpose: rotate by -angle (also right for scaled cos/sin, e.g. YaRN)."""
+    return rotate(grad, cos, -sin, head_dim)
+
+
+def backward_reads(op: Op) -> tuple[str, ...]:
+    """The forward tensors the backward of `op` reads besides gradients and weights (dropout
+    reads its mask, which the store regenerates or unpacks; attention's K/V are in the cache)."""
+    if op.kind in ("rmsnorm", "silu_mul", "lora_a", "lora_b", "attention"):
+        return op.inputs
+    return ()
+
+
+def grads_needed(graph: LayerGraph, input_grad: bool) -> dict[str, bool]:
+    """Per tensor: whether backward needs dL/dtensor (for a trainable op it feeds, or for the
+    layer input's gradient when `input_grad`; the bottom layer's input needs none)."""
+    needed = {"x": input_grad}
+    for op in graph.ops:
+        flag = bool(op.trainable) or any(needed.get(name, False) for name in op.inputs)
+        for name in op.outputs:
+            needed[name] = flag
+    return needed
+
+
+def check_plan(graph: LayerGraph, store: ActivationStore) -> None:
+    """ValueError unless, in every layer, each tensor the backward reads is stored, in the KV
+    cache, or can be rematerialized from those through its producer ops (dropout masks can
+    always be: they are regenerated when not kept)."""
+    if any(kind != "lora" for kind in graph.bypass.values()):
+        raise ValueError("the layer-wise backward trains LoRA bypasses only, not "
+                         f"{sorted(set(graph.bypass.values()) - {'lora'})}")
+    for layer in range(store.num_layers):
+        kept = store.stored_names[layer] | store.kv_cache_names
+        memo: dict[str, bool] = {}
+
+        def available(name: str) -> bool:
+            if name not in memo:
+                memo[name] = False  # a cycle cannot make itself available
+                producer = graph.producer(name)
+                memo[name] = name in kept or (
+                    producer is not None and all(available(i) for i in producer.inputs))
+            return memo[name]
+
+        needed = grads_needed(graph, input_grad=layer > 0)
+        for op in graph.ops:
+            if any(needed[name] for name in op.outputs):
+                missing = [name for name in backward_reads(op) if not available(name)]
+                if missing:
+                    raise ValueError(f"layer {layer}: the backward of {op.name} reads {missing}, "
+                                     "which the plan neither stores nor can rematerialize")
+
+
+class SequenceBackward:
+    """The backward of one fine-tuning sequence, driven window by window.
+
+    Create it with the sequence's `ActivationStore` when its first forward window is scheduled:
+    the window loss writes into `residual_grad`. `block_ids` is the sequence's KV block table,
+    `lora_slot` the slot its adapter had in the forward (weights and scaling are read from
+    there), and `grads` maps PEFT names (`lora_grad_name`) to fp32 buffers into which this adds
+    the adapter gradients (e.g. `lora_grad_buffers`, or an optimizer's gradient buffers).
+    """
+
+    def __init__(
+        self, model: Any, store: ActivationStore, num_tokens: int, block_ids: list[int],
+        block_size: int, lora_slot: int, grads: Mapping[str, torch.Tensor],
+    ) -> None:
+        layers = model.model.layers
+        if store.num_layers != len(layers):
+            raise ValueError(f"the store has {store.num_layers} layers, the model {len(layers)}")
+        if not 1 <= num_tokens <= store.max_len:
+            raise ValueError(f"num_tokens {num_tokens} must be in [1, {store.max_len}]")
+        if len(block_ids) * block_size < num_tokens:
+            raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens}")
+        check_plan(store.graph, store)
+        self.model = model
+        self.store = store
+        self.graph = store.graph
+        self.num_tokens = num_tokens
+        self.lora_slot = lora_slot
+        attn = layers[0].self_attn.attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.scale = attn.head_dim, attn.scale
+        device, max_len = store.device, store.max_len
+        self.residual_grad = torch.zeros(max_len, model.config.hidden_size, device=device)
+        self.key_grad = torch.zeros(max_len, self.num_kv_heads, self.head_dim, device=device)
+        self.value_grad = torch.zeros_like(self.key_grad)
+        positions = torch.arange(num_tokens)
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        self._kv_slots = (table[positions // block_size] * block_size
+                          + positions % block_size).to(device)
+        self._needed = (grads_needed(self.graph, False), grads_needed(self.graph, True))
+        self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
+        for layer in range(len(layers)):
+            for target in self.graph.bypass:
+                module = self.linear(layer, target)
+                rank = self.graph.tensors[f"{target}_s"].width
+                if not isinstance(module, LoRALinear) or not 0 <= lora_slot < module.max_loras:
+                    raise ValueError(f"layer {layer} {target} has no LoRA slot {lora_slot}")
+                if rank > module.max_rank:
+                    raise ValueError(f"rank {rank} exceeds the slots' max rank {module.max_rank}")
+                pair = []
+                for half, shape in (("A", (rank, module.in_features)),
+                                    ("B", (module.out_features, rank))):
+                    grad = grads.get(lora_grad_name(layer, target, half))
+                    if grad is None or tuple(grad.shape) != shape or grad.dtype != torch.float32:
+                        raise ValueError(f"grads needs an fp32 {list(shape)} tensor named "
+                                         f"{lora_grad_name(layer, target, half)}")
+                    pair.append(grad)
+                self._lora[(layer, target)] = (module, rank, pair[0], pair[1])
+        self.layer = len(layers) - 1  # the layer the next backward window belongs to
+        self.window_end = num_tokens  # where the next backward window ends
+
+    @property
+    def done(self) -> bool:
+        """Whether every layer's backward has run (the KV blocks may be freed)."""
+        return self.layer < 0
+
+    def linear(self, layer: int, target: str) -> torch.nn.Module:
+        decoder = self.model.model.layers[layer]
+        return getattr(getattr(decoder, TARGET_MODULES[target]), target)
+
+    def backward_window(self, layer: int, start: int, end: int) -> None:
+        """Backward of positions [start, end) of `layer`. Layers from the top, windows from the
+        end of the sequence to its start; ValueError for any other order."""
+        if self.done:
+            raise ValueError("the backward of this sequence is complete")
+        if self.store.num_forward_tokens != self.num_tokens:
+            raise ValueError(f"the forward has covered {self.store.num_forward_tokens} of "
+                             f"{self.num_tokens} tokens; the backward starts after it")
+        if layer != self.layer:
+            raise ValueError(f"backward window for layer {layer}, but the backward is at layer "
+                             f"{self.layer} (layers go from the top down)")
+        if end != self.window_end or not 0 <= start < end:
+            raise ValueError(f"backward window [{start}, {end}) of layer {layer} is out of order: "
+                             f"the next one ends at {self.window_end} and is not empty")
+        with torch.no_grad():
+            self._run_window(_Window(self, layer, start, end))
+        self.window_end = start
+        if start == 0:
+            self.key_grad[:self.num_tokens].zero_()
+            self.value_grad[:self.num_tokens].zero_()
+            self.store.free_layer(layer)
+            self.layer -= 1
+            self.window_end = self.num_tokens
+
+    def cached_kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after rope) and V of positions [0, end) from the paged cache: [end, KV, D] each."""
+        cache = self.model.model.layers[layer].self_attn.attn.kv_cache
+        slots = self._kv_slots[:end]
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        return (cache[0].reshape(shape).index_select(0, slots),
+                cache[1].reshape(shape).index_select(0, slots))
+
+    def _run_window(self, win: _Window) -> None:
+        needed = self._needed[win.layer > 0]
+        grads = {self.graph.ops[-1].outputs[0]: self.residual_grad[win.start:win.end]}
+
+        def give(name: str, grad: torch.Tensor) -> None:
+            if needed.get(name, False):
+                grads[name] = grad if name not in grads else grads[name] + grad
+
+        for op in reversed(self.graph.ops):
+            grad = grads.get(op.outputs[0])
+            if grad is not None:
+                self._op_backward(win, op, grad, give, needed)
+        if needed["x"]:
+            self.residual_grad[win.start:win.end].copy_(grads["x"])
+
+    def _op_backward(self, win: _Window, op: Op, grad: torch.Tensor, give: Any,
+                     needed: dict[str, bool]) -> None:
+        kind, name = op.kind, op.inputs[0]
+        if kind == "add":
+            for name in op.inputs:
+                give(name, grad)
+        elif kind == "rmsnorm" and needed[name]:
+            norm = getattr(win.decoder, op.name)
+            give(name, rmsnorm_backward(win.act(name), norm.weight, norm.variance_epsilon, grad))
+        elif kind == "linear" and needed[name]:
+            weight = self.linear(win.layer, op.name.split(".")[0]).weight  # frozen: dX only
+            give(name, (grad.to(weight.dtype) @ weight).float())
+        elif kind == "lora_b":
+            module, rank, _, grad_b = self._lora[(win.layer, op.name.split(".")[0])]
+            scaling = module.scaling[self.lora_slot]
+            grad_b.add_((grad.T @ win.act(name).float()) * scaling)
+            if needed[name]:
+                give(name, (grad @ module.lora_b[self.lora_slot, :, :rank].float()) * scaling)
+        elif kind == "lora_a":
+            module, rank, grad_a, _ = self._lora[(win.layer, op.name.split(".")[0])]
+            grad_a.add_(grad.T @ win.act(name).float())
+            if needed[name]:
+                give(name, grad @ module.lora_a[self.lora_slot, :rank].float())
+        elif kind == "dropout" and needed[name]:
+            keep = win.dropout_mask(op.name.split(".")[0])
+            give(name, apply_lora_dropout(grad, keep, self.store.lora_dropout))
+        elif kind == "rope" and needed[name]:
+            give(name, rope_backward(grad, win.cos, win.sin, self.head_dim))
+        elif kind == "attention":
+            self._attention_backward(win, op, grad, give, needed)
+        elif kind == "silu_mul":
+            gate, up = win.act(op.inputs[0]).float(), win.act(op.inputs[1]).float()
+            sig = torch.sigmoid(gate)
+            give(op.inputs[0], grad * up * sig * (1 + gate * (1 - sig)))
+            give(op.inputs[1], grad * (gate * sig))
+        elif kind not in ("rmsnorm", "linear", "dropout", "rope"):
+            raise ValueError(f"no backward for op kind {kind!r} ({op.name})")
+
+    def _attention_backward(self, win: _Window, op: Op, grad: torch.Tensor, give: Any,
+                            needed: dict[str, bool]) -> None:
+        out, q, k, v = win.attention_graph()
+        n = win.end - win.start
+        grad_out = grad.view(n, self.num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
+        with torch.inference_mode(False), torch.enable_grad():
+            torch.autograd.backward(out, grad_out.to(out.dtype))
+        q_name, k_name, v_name = op.inputs
+        give(q_name, q.grad.float().view(n, -1))
+        # This window's queries reach keys [0, end): their dK, dV join the accumulator, which
+        # then holds the complete gradient of the window's own keys and values.
+        for name, leaf, acc in ((k_name, k, self.key_grad), (v_name, v, self.value_grad)):
+            if needed[name]:
+                acc[:win.end].add_(leaf.grad)
+                give(name, acc[win.start:win.end].view(n, -1))
+
+
+class _Window:
+    """One backward window's forward tensors, read from the store or rematerialized once."""
+
+    def __init__(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
+        self.owner, self.layer, self.start, self.end = owner, layer, start, end
+        self.decoder = owner.model.model.layers[layer]
+        self.dtype = owner.store.dtype
+        cos_sin = owner.model.model.rotary_emb.cos_sin_cache[start:end].unsqueeze(1)
+        self.cos, self.sin = cos_sin.chunk(2, dim=-1)  # fp32 [n, 1, head_dim / 2]
+        self._acts: dict[str, torch.Tensor] = {}
+        self._attention: tuple[torch.Tensor, ...] | None = None
+
+    def act(self, name: str) -> torch.Tensor:
+        """Forward tensor `name` of the window's rows, [n, width]."""
+        if name not in self._acts:
+            self._acts[name] = self._load(name)
+        return self._acts[name]
+
+    def dropout_mask(self, target: str) -> torch.Tensor:
+        return self.owner.store.dropout_mask(self.layer, target, self.start, self.end)
+
+    def attention_graph(self) -> tuple[torch.Tensor, ...]:
+        """(out [1, H, n, D], q, k, v leaves) of the window's attention, recorded by autograd
+        once and shared by a rematerialization of `attn` and the attention backward."""
+        if self._attention is None:
+            owner = self.owner
+            n, heads, kv_heads = self.end - self.start, owner.num_heads, owner.num_kv_heads
+            k_all, v_all = owner.cached_kv(self.layer, self.end)
+            with torch.inference_mode(False), torch.enable_grad():
+                q = self.act("q").view(n, heads, owner.head_dim).clone().requires_grad_()
+                k, v = k_all.clone().requires_grad_(), v_all.clone().requires_grad_()
+                qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                if heads != kv_heads:  # GQA: query head h reads KV head h // (heads / kv_heads)
+                    kk = kk.repeat_interleave(heads // kv_heads, dim=1)
+                    vv = vv.repeat_interleave(heads // kv_heads, dim=1)
+                out = F.scaled_dot_product_attention(
+                    qq, kk.to(qq.dtype), vv.to(qq.dtype), attn_mask=causal_lower_right(n, self.end),
+                    scale=owner.scale)
+            self._attention = (out, q, k, v)
+        return self._attention
+
+    def _load(self, name: str) -> torch.Tensor:
+        owner, store, layer = self.owner, self.owner.store, self.layer
+        if name in store.stored_names[layer]:
+            return store.read(layer, name, self.start, self.end)
+        if name in store.kv_cache_names:  # "k" or "v_out"
+            k_all, v_all = owner.cached_kv(layer, self.end)
+            return (k_all if name == "k" else v_all)[self.start:].flatten(1)
+        op = owner.graph.producer(name)
+        if op is None:
+            raise KeyError(f"{name} is neither stored nor computable")
+        x = self.act(op.inputs[0])
+        target = op.name.split(".")[0]
+        if op.kind == "rmsnorm":
+            norm = getattr(self.decoder, op.name)
+            return rmsnorm_forward(x, norm.weight, norm.variance_epsilon)
+        if op.kind == "linear":
+            module = owner.linear(layer, target)
+            return F.linear(x, module.weight, module.bias)
+        if op.kind == "dropout":
+            keep = self.dropout_mask(target)  # outputs: ({target}_xd, {target}_mask)
+            if name == op.outputs[1]:
+                return keep
+            return apply_lora_dropout(x, keep, store.lora_dropout)
+        if op.kind == "lora_a":
+            _, rank, _, _ = owner._lora[(layer, target)]
+            module = owner.linear(layer, target)
+            return x.float() @ module.lora_a[owner.lora_slot, :rank].float().T
+        if op.kind == "lora_b":
+            _, rank, _, _ = owner._lora[(layer, target)]
+            module = owner.linear(layer, target)
+            b = module.lora_b[owner.lora_slot, :, :rank].float()
+            return ((x.float() @ b.T) * module.scaling[owner.lora_slot]).to(self.dtype)
+        if op.kind == "add":
+            return x + self.act(op.inputs[1])
+        if op.kind == "rope":
+            return rotate(x, self.cos.to(x.dtype), self.sin.to(x.dtype), owner.head_dim)
+        if op.kind == "attention":
+            out = self.attention_graph()[0].detach()
+            return out[0].transpose(0, 1).reshape(self.end - self.start, -1)
+        if op.kind == "silu_mul":
+            return F.silu(x) * self.act(op.inputs[1])
+        raise ValueError(f"cannot rematerialize {name}: no forward for op kind {op.kind!r}")
