@@ -1,0 +1,106 @@
+"""Token-level fine-tuning alone: trained tokens/s and peak extra memory, per sequence length and
+LoRA target set, on a dummy-weight model (FlexLLM's setup: LoRA r=16, AdamW, batch 1).
+
+    python benchmarks/finetune_throughput.py --model llama-3.1-8b --seq-lens 1024 4096 8192 \
+        --targets down_proj all --out results.jsonl
+
+One job per (targets, length) trains `--num-sequences` random-token sequences (one optimizer step
+each, every token in the loss) after one warm-up step. The budget per iteration is
+--max-num-batched-tokens: a sequence's forward is one window when it fits. Peak memory is
+max_memory_allocated during the timed steps minus what was allocated before the job (weights and
+the preallocated KV cache excluded): activations kept for the backward, the backward's buffers,
+gradients, fp32 master weights and AdamW state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--targets", nargs="+", default=["down_proj", "all"])
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--num-sequences", type=int, default=2)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    parser.add_argument("--remat-threshold", type=float, default=None,
+                        help="graph pruning's recompute threshold [its default]")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from flexserve import LLM
+    from flexserve.finetune.data import TrainingData, TrainingExample
+    from flexserve.finetune.hyperparameters import Hyperparameters
+
+    max_len = max(args.seq_lens)
+    llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
+              max_model_len=max_len + 16, enable_lora=True, max_lora_rank=args.rank,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=16,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
+              remat_threshold=args.remat_threshold)
+    engine = llm.engine
+    vocab = engine.info.vocab_size
+    rows = []
+    cases = [(t, n) for t in args.targets for n in args.seq_lens]
+    for targets, seq_len in tqdm(cases, desc="fine-tuning cases"):
+        g = torch.Generator().manual_seed(seq_len)
+        examples = [TrainingExample(i + 1, torch.randint(100, vocab - 100, (seq_len,),
+                                                         generator=g).tolist(),
+                                    [False] + [True] * (seq_len - 1))
+                    for i in range(args.num_sequences + 1)]
+        data = TrainingData("text", examples, [], seq_len * len(examples),
+                            (seq_len - 1) * len(examples))
+        hp = Hyperparameters.from_dict({
+            "batch_size": 1, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-4,
+            "lora": {"r": args.rank, "alpha": 2 * args.rank,
+                     "target_modules": ALL if targets == "all" else targets.split(",")}})
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        job = engine.add_finetune_job(data, hp)
+        while job.step_index < 1:  # warm-up step (kernel compiles, allocator)
+            engine.step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        while not job.finished:
+            engine.step()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() - before
+        runner = engine.executor.finetune_runner
+        plan = runner.jobs[job.job_id].plan
+        row = {
+            "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
+            "remat_threshold": plan.remat_threshold, "stored": sorted(plan.stored),
+            "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
+            "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
+            "peak_extra_memory_gb": round(peak / 1e9, 3),
+            "plan_activation_gb": round(plan.bytes_per_token * seq_len
+                                        * engine.info.num_layers / 1e9, 3),
+            "losses": [round(x, 4) for x in job.losses],
+            "gpu": torch.cuda.get_device_name(),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        engine.executor.remove_finetune_job(job.job_id)
+        engine.scheduler.finetune.remove_job(job.job_id)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
