@@ -127,16 +127,23 @@ class AttentionMetadata:
             for rows in groups
         ]
         return cls(
-            slot_mapping=slot_mapping.to(device),
-            positions=positions.to(device),
-            query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-            seq_lens=seq_lens.to(device=device, dtype=torch.int32),
-            block_tables=tables.to(device=device, dtype=torch.int32),
+            slot_mapping=_to_device(slot_mapping, device),
+            positions=_to_device(positions, device),
+            query_start_loc=_to_device(query_start_loc.to(torch.int32), device),
+            seq_lens=_to_device(seq_lens.to(torch.int32), device),
+            block_tables=_to_device(tables.to(torch.int32), device),
             max_query_len=max(query_lens),
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
             row_groups=row_groups,
         )
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host index tensor to the device; on CUDA pinned and non-blocking (no host sync)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexserve.layers.forward_context import get_forward_context
-from flexserve_kernels.lora_ops import lora_expand, lora_shrink
+from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora_ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
+
+# Projections whose decode-sized batches take the fused shrink+expand kernel. down_proj stays on
+# the BGMV pair: its shrink reads a 14336-wide A, which the fused kernel would re-read per output
+# tile (H200, Llama-3.1-8B shapes, rank 16, benchmarks/lora_fused_kernel.py: per layer 31.3 us
+# with down on BGMV vs 35.1 us all fused at batch 16).
+_FUSED_DECODE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
 
 class LoRALinear(nn.Module):
@@ -58,7 +65,8 @@ class LoRALinear(nn.Module):
             return y
         capture = context.finetune
         if capture is None:
-            return lora_expand(lora_shrink(x, self.lora_a, meta), self.lora_b, meta, y, self.scaling)
+            add_lora((self,), x, (y,), meta)
+            return y
         x = capture.lora_input(self, x)  # dropout on the fine-tuning rows
         capture.take(self.layer_idx, f"{self.target}_base", y)  # before the expand adds into y
         s = lora_shrink(x, self.lora_a, meta)
@@ -97,3 +105,28 @@ class LoRALinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, max_loras={self.max_loras}, max_rank={self.max_rank}"
         )
+
+
+def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[torch.Tensor, ...],
+             meta=None) -> None:
+    """Add each `LoRALinear`'s bypass of x into its output (in place; outputs may be column
+    slices of one merged GEMM's output). Plain `nn.Linear`s (LoRA off) add nothing.
+
+    Decode-sized batches on the Triton path run one fused shrink+expand launch for all the given
+    projections (`flexserve_kernels.lora_fused`); other batches the SGMV/BGMV pair per projection.
+    """
+    if not isinstance(modules[0], LoRALinear):
+        return
+    if meta is None:
+        meta = get_forward_context().lora_meta
+    if meta is None or not meta.has_lora:
+        return
+    if (use_triton(x.device) and (meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS)
+            and all(m.target in _FUSED_DECODE_TARGETS for m in modules)):
+        from flexserve_kernels.lora_fused import lora_fused_bgmv
+
+        lora_fused_bgmv(x, [(m.lora_a, m.lora_b, m.scaling, y) for m, y in zip(modules, outputs)],
+                        meta.token_slots)
+        return
+    for module, y in zip(modules, outputs):
+        lora_expand(lora_shrink(x, module.lora_a, meta), module.lora_b, meta, y, module.scaling)

@@ -26,11 +26,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
+from flexserve.layers.lora_linear import add_lora
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
 
@@ -63,6 +65,42 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+class MergedProjection:
+    """Linears reading one input as one GEMM (vLLM's QKV / gate-up merging), for the GPU path.
+
+    `merge` concatenates the projections' weights (and biases) into one tensor and makes each
+    projection's Parameter a view of its rows, so checkpoints, LoRA wrappers and fine-tuning keep
+    per-projection names and memory is not doubled. Calling it runs the one GEMM, splits the
+    output into column slices and adds each projection's LoRA bypass into its slice. A plain
+    attribute holder, not a Module: the merged tensor is not a parameter of its own.
+    """
+
+    def __init__(self) -> None:
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.sizes: list[int] = []
+
+    @torch.no_grad()
+    def merge(self, linears: tuple[nn.Module, ...]) -> None:
+        weights = [m.weight for m in linears]
+        self.weight = torch.cat([w.data for w in weights])
+        biases = [m.bias for m in linears]
+        if all(b is not None for b in biases):
+            self.bias = torch.cat([b.data for b in biases])
+        self.sizes = [w.shape[0] for w in weights]
+        start = 0
+        for w, b, size in zip(weights, biases, self.sizes):
+            w.data = self.weight[start:start + size]
+            if self.bias is not None:
+                b.data = self.bias[start:start + size]
+            start += size
+
+    def __call__(self, x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+        outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        add_lora(linears, x, outputs)
+        return outputs
+
+
 class LlamaAttention(nn.Module):
     """q/k/v projections, rope, paged attention, o_proj."""
 
@@ -80,10 +118,15 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
         self.attn = Attention(num_heads, head_dim, num_kv_heads, scale=head_dim**-0.5)
+        self.qkv = MergedProjection()
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        q, k = rope.apply(self.q_proj(hidden), self.k_proj(hidden))
-        v = self.v_proj(hidden)
+        if self.qkv.weight is not None:
+            q, k, v = self.qkv(hidden, (self.q_proj, self.k_proj, self.v_proj))
+            q, k = rope.apply(q, k)
+        else:
+            q, k = rope.apply(self.q_proj(hidden), self.k_proj(hidden))
+            v = self.v_proj(hidden)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -96,9 +139,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up = MergedProjection()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up.weight is not None:
+            gate, up = self.gate_up(x, (self.gate_proj, self.up_proj))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -218,6 +266,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
         return self.lm_head(hidden).float()
+
+    def merge_projections(self) -> None:
+        """q/k/v and gate/up each as one GEMM (GPU path; call after the weights are loaded)."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv.merge((attn.q_proj, attn.k_proj, attn.v_proj))
+            mlp.gate_up.merge((mlp.gate_proj, mlp.up_proj))
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer i the cache kv_caches[i] ([2, num_blocks, block_size, KV, D]); [] unbinds."""

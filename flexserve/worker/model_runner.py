@@ -23,6 +23,7 @@ from flexserve.layers.sampler import (
     Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,
+    to_device,
     to_token_logprobs,
 )
 from flexserve.model.loader import load_model, resolve_dtype
@@ -68,6 +69,8 @@ class ModelRunner:
             "loaded %s on %s (%s) in %.1f s", resolved.name, self.device,
             str(self.dtype).removeprefix("torch."), time.perf_counter() - start,
         )
+        if use_triton(self.device):
+            self.model.merge_projections()  # one GEMM for q/k/v and one for gate/up
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.cache.block_size
         self.kv_cache_spec = KVCacheSpec(
@@ -288,7 +291,7 @@ class ModelRunner:
         last_token_index: torch.Tensor,
         result: StepResult,
     ) -> None:
-        index = last_token_index[torch.tensor(sample_rows, device=self.device)]
+        index = last_token_index[to_device(sample_rows, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden[index])
         sampled_rows = [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
