@@ -133,14 +133,21 @@ def test_cancel_frees_the_sequence_blocks():
     assert scheduler.schedule().is_empty
 
 
-def test_a_sequence_waits_for_kv_blocks():
-    scheduler = make_scheduler(budget=64, num_blocks=4)  # 16 tokens of cache
+def test_a_sequence_waits_for_kv_blocks_that_inference_holds():
+    scheduler = make_scheduler(budget=64, num_blocks=8)  # 32 tokens of cache
+    scheduler.add_request(Request("r", [1] * 20, SamplingParams(max_tokens=1), 0, 1))
     scheduler.finetune.add_job(job("a", [30], [[0]]))
-    assert scheduler.schedule().is_empty  # 8 blocks needed: it waits, nothing allocated
-    assert scheduler.kv_cache_manager.usage == 0.0
+    plan = scheduler.schedule()
+    assert plan.sequences and not plan.finetune_starts  # 8 blocks needed, 3 free: it waits
+    result = StepResult(sampled_token_ids={"r": 1})
+    scheduler.update(plan, result)  # the request ends and frees its blocks
+    assert scheduler.schedule().finetune_starts
 
 
-def test_sequences_longer_than_max_finetune_len_are_refused():
+def test_sequences_longer_than_max_finetune_len_or_the_cache_are_refused():
     scheduler = make_scheduler(budget=8)
     with pytest.raises(ValueError, match="max_finetune_len"):
         scheduler.finetune.add_job(job("a", [41], [[0]]))
+    small = make_scheduler(budget=8, num_blocks=4)
+    with pytest.raises(ValueError, match="KV cache holds 16"):
+        small.finetune.add_job(job("a", [17], [[0]]))

@@ -118,6 +118,11 @@ class FinetuneScheduler:
                                  f"sequences need 2 to max_finetune_len={self.max_finetune_len}")
             if len(seq.loss_mask) != len(seq.token_ids):
                 raise ValueError(f"example {i}: loss_mask and token_ids differ in length")
+            blocks = -(-len(seq.token_ids) // self.kv.block_size)
+            if blocks > self.kv.num_blocks:
+                # It would wait for blocks forever: even an idle cache cannot hold it.
+                raise ValueError(f"example {i} has {len(seq.token_ids)} tokens; the KV cache holds "
+                                 f"{self.kv.num_blocks * self.kv.block_size}")
         self.jobs[job.job_id] = job
 
     def has_work(self) -> bool:
