@@ -161,3 +161,13 @@ def test_finetune_needs_lora(smollm2_dir):
     llm = LLM(smollm2_dir, max_model_len=64)
     with pytest.raises(ValueError, match="LoRA"):
         llm.finetune(DATA)
+
+
+def test_max_finetune_len_is_bounded_by_the_context(smollm2_dir):
+    with pytest.raises(ValueError, match="max_finetune_len 65 exceeds max_model_len 64"):
+        LLM(smollm2_dir, max_model_len=64, max_finetune_len=65, enable_lora=True)
+    llm = LLM(smollm2_dir, max_model_len=64, max_finetune_len=8, enable_lora=True)
+    job = llm.finetune([{"text": "a very long example " * 20}], lora={"r": 4, "alpha": 8})
+    assert "truncated" in job.events[0] and "8" in job.events[0]
+    job.wait()
+    assert job.status == "succeeded" and llm.engine.scheduler.kv_cache_usage == 0.0

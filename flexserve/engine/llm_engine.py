@@ -69,10 +69,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.info = info
         self.executor = executor
+        max_finetune_len = config.finetune.max_finetune_len or info.max_model_len
+        if max_finetune_len > info.max_model_len:
+            # Positions past max_model_len have no rotary entries and no KV-cache guarantee.
+            raise ValueError(f"max_finetune_len {max_finetune_len} exceeds max_model_len "
+                             f"{info.max_model_len}")
         self.scheduler = Scheduler(
             config.scheduler, config.cache, info.num_blocks, info.max_model_len, config.lora,
             num_layers=info.num_layers,
-            max_finetune_len=config.finetune.max_finetune_len or info.max_model_len,
+            max_finetune_len=max_finetune_len,
         )
         self.core = EngineCore(self.scheduler, executor)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)

@@ -13,6 +13,7 @@ from flexserve.config import (
     DEFAULT_MODEL,
     CacheConfig,
     EngineConfig,
+    FinetuneConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -85,6 +86,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="running requests at most [%(default)s]")
 
     lora = LoRAConfig()
+    group = parser.add_argument_group("fine-tuning (token-level LoRA jobs; they need LoRA slots)")
+    group.add_argument("--max-finetune-len", type=int, default=None,
+                       help="longest training sequence; sizes each sequence's gradient buffers "
+                            "[max_model_len]")
+    group.add_argument("--remat-threshold", type=float, default=None,
+                       help="graph pruning: recompute kept tensors whose op costs less than this "
+                            "fraction of a layer's forward FLOPs [0.01]")
     group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters (loaded at start-up or at run time)")
@@ -155,6 +163,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         ),
         lora=lora_config_from_args(args),
+        finetune=FinetuneConfig(max_finetune_len=args.max_finetune_len,
+                                remat_threshold=args.remat_threshold),
         disable_log_stats=getattr(args, "disable_log_stats", False),
     )
 
