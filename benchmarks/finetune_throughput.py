@@ -36,8 +36,12 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--remat-threshold", type=float, default=None,
                         help="graph pruning's recompute threshold [its default]")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time forward steps, backward steps, attention backward, "
+                             "rematerialization, loss and optimizer (synchronizing timers)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    timers = install_timers() if args.breakdown else None
 
     from flexserve import LLM
     from flexserve.finetune.data import TrainingData, TrainingExample
@@ -72,6 +76,8 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        if timers is not None:
+            timers.clear()
         start = time.perf_counter()
         while not job.finished:
             engine.step()
@@ -91,6 +97,9 @@ def main() -> None:
             "losses": [round(x, 4) for x in job.losses],
             "gpu": torch.cuda.get_device_name(),
         }
+        if timers is not None:
+            row["seconds_per_sequence_by_part"] = {
+                k: round(v / args.num_sequences, 4) for k, v in sorted(timers.items())}
         print(json.dumps(row), flush=True)
         rows.append(row)
         engine.executor.remove_finetune_job(job.job_id)
@@ -100,6 +109,50 @@ def main() -> None:
         with open(args.out, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+
+
+def install_timers() -> dict[str, float]:
+    """Wrap the parts of a fine-tuning step with synchronizing timers (seconds, summed)."""
+    import functools
+
+    from flexserve.finetune.optimizer import AdapterOptimizer
+    from flexserve.worker import finetune_runner, layer_backward, model_runner
+
+    totals: dict[str, float] = {}
+    depth = {"n": 0}
+
+    def timed(name, fn, outermost=False):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            if outermost and depth["n"]:
+                return fn(*a, **k)
+            depth["n"] += outermost
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+                depth["n"] -= outermost
+        return wrapper
+
+    runner = model_runner.ModelRunner
+    original = runner._execute
+
+    def execute(self, plan, finetune):
+        part = ("forward step" if plan.finetune_windows else
+                "backward step" if plan.backward_windows else "other step")
+        return timed(part, original)(self, plan, finetune)
+
+    runner._execute = execute
+    seq = layer_backward.SequenceBackward
+    seq._attention_backward = timed("  attention backward", seq._attention_backward)
+    window = layer_backward._Window
+    window._load = timed("  rematerialization + loads", window._load, outermost=True)
+    finetune_runner.window_loss = timed("  window loss", finetune_runner.window_loss)
+    AdapterOptimizer.step = timed("  optimizer", AdapterOptimizer.step)
+    return totals
 
 
 if __name__ == "__main__":
