@@ -20,7 +20,6 @@ Pure Python: the worker owns every tensor (activations, gradients, optimizer sta
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
@@ -245,11 +244,3 @@ class FinetuneScheduler:
         if job is not None and job.running is not None:
             self.kv.free(job.running.kv)
 
-
-def plan_steps(num_examples: int, step_indices: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Validated copy of per-step example indices."""
-    steps = [list(indices) for indices in step_indices]
-    for k, indices in enumerate(steps):
-        if not indices or any(not 0 <= i < num_examples for i in indices):
-            raise ValueError(f"step {k} has example indices outside [0, {num_examples})")
-    return steps
