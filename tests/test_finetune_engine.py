@@ -155,6 +155,9 @@ def test_bad_finetune_input_is_refused(llm):
         llm.finetune(DATA, lora={"target_modules": ["nope"]})
     with pytest.raises(ValueError, match="init_adapter"):
         llm.finetune(DATA, lora={"init_adapter": "no-such-adapter"})
+    with pytest.raises(ValueError, match="max_lora_rank 16"):
+        llm.finetune(DATA, lora={"r": 32})
+    assert llm.engine.scheduler.adapter_manager.num_resident == 0  # the slot was given back
 
 
 def test_finetune_needs_lora(smollm2_dir):

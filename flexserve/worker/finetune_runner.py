@@ -132,6 +132,12 @@ class FinetuneRunner:
         """Create the job's adapter in its slot and its optimizer; returns its pruning plan."""
         if spec.job_id in self.jobs:
             raise ValueError(f"fine-tuning job {spec.job_id!r} exists already")
+        rank = (spec.init_adapter.rank if spec.init_adapter is not None
+                else spec.hyperparameters.lora.r)
+        max_rank = self.lora_manager.config.max_lora_rank
+        if rank > max_rank:
+            raise ValueError(f"LoRA rank {rank} exceeds max_lora_rank {max_rank} (--max-lora-rank): "
+                             "the job's adapter lives in a LoRA slot")
         with torch.no_grad():
             job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
                        self.remat_threshold)
