@@ -76,3 +76,19 @@ def interpret_or_defer(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         pytest.skip(f"runs in {CHILD_TEST_NAME}")
     if interpreted:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def compile_for_hopper(script: str) -> None:
+    """Run `script` (which compiles kernels offline for sm_90 and prints "ok" when none spills)
+    in a child process without the interpreter; skip when Triton has no NVIDIA backend."""
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default; silences triton 3.9's notice
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)
+    output = result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output

@@ -18,13 +18,12 @@ adapter and never reads s or y elsewhere (poisoned with NaN here).
 from __future__ import annotations
 
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 from _triton_interpret import (
+    compile_for_hopper,
     import_kernels,
     interpret_or_defer,
     is_interpreted,
@@ -41,7 +40,6 @@ _KERNEL_MODULES = ("flexserve_kernels.lora_shrink", "flexserve_kernels.lora_expa
 shrink_kernels, expand_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 from flexserve_kernels import lora_ops  # noqa: E402  (after the kernels are decorated)
 
-import triton  # noqa: E402
 
 INTERPRETED = is_interpreted(shrink_kernels._lora_shrink_sgmv_kernel)
 # Interpreted kernels run on CPU tensors; compiled ones on the GPU (the lead's CI for this file).
@@ -437,19 +435,7 @@ print("ok")
 
 
 def test_kernels_compile_for_hopper_without_spills():
-    import subprocess
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia import compiler  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default; silences triton 3.9's notice
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True,
-                            timeout=300)
-    output = result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output
+    compile_for_hopper(_COMPILE_SCRIPT)
 
 
 # ------------------------------------------------------------------ GPU: Llama-3.1-8B projections

@@ -94,11 +94,10 @@ def encode_chat(messages: object, tokenizer: Any) -> tuple[list[int], list[bool]
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template; use text or "
                          "prompt/completion examples")
+    if not getattr(tokenizer, "is_fast", False):  # only Rust tokenizers report offsets
+        raise ValueError("chat examples need a tokenizer with offsets (a tokenizer.json)")
     text = _render(tokenizer, plain, generation_prompt=False)
-    try:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError as e:  # transformers' Python tokenizers have no offsets
-        raise ValueError("chat examples need a tokenizer with offsets (a tokenizer.json)") from e
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding.input_ids)
     turns = []  # [begin, end) character spans of the trained assistant turns, in order
     for i, message in enumerate(messages):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import get_forward_context
 from flexserve_kernels.dispatch import use_triton
 
@@ -127,23 +128,16 @@ class AttentionMetadata:
             for rows in groups
         ]
         return cls(
-            slot_mapping=_to_device(slot_mapping, device),
-            positions=_to_device(positions, device),
-            query_start_loc=_to_device(query_start_loc.to(torch.int32), device),
-            seq_lens=_to_device(seq_lens.to(torch.int32), device),
-            block_tables=_to_device(tables.to(torch.int32), device),
+            slot_mapping=to_device(slot_mapping, device),
+            positions=to_device(positions, device),
+            query_start_loc=to_device(query_start_loc.to(torch.int32), device),
+            seq_lens=to_device(seq_lens.to(torch.int32), device),
+            block_tables=to_device(tables.to(torch.int32), device),
             max_query_len=max(query_lens),
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
             row_groups=row_groups,
         )
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host index tensor to the device; on CUDA pinned and non-blocking (no host sync)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

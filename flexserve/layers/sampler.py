@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flexserve.layers.device_copy import to_device
+
 from flexserve.engine.plan import ScheduledSequence, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -92,14 +94,14 @@ class SamplingMetadata:
                     min_tokens_token_ids.append(token_id)
 
         random_rows = [i for i, g in enumerate(greedy) if not g]
-        _float = functools.partial(to_device, dtype=torch.float32, device=device)
-        _long = functools.partial(to_device, dtype=torch.int64, device=device)
+        _float = functools.partial(to_device, device=device, dtype=torch.float32)
+        _long = functools.partial(to_device, device=device, dtype=torch.int64)
         penalties = _penalty_tensors(rows, vocab_size, device)
         num_logprobs = [row.sampling_params.logprobs for row in rows]
         requested = [k for k in num_logprobs if k is not None]
         return cls(
             temperature=_float(temperature),
-            greedy=to_device(greedy, torch.bool, device),
+            greedy=to_device(greedy, device, torch.bool),
             all_greedy=not random_rows,
             all_random=len(random_rows) == len(rows),
             top_k=_long(top_k) if any(top_k[i] < vocab_size for i in random_rows) else None,
@@ -114,15 +116,6 @@ class SamplingMetadata:
             max_num_logprobs=max(requested) if requested else None,
             default_generator_seed=default_generator_seed,
         )
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A small host list as a device tensor without a host sync: on CUDA through pinned memory
-    with a non-blocking copy, so building sampling inputs overlaps the forward still running."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _penalty_tensors(

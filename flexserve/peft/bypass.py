@@ -45,6 +45,24 @@ def target_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     }
 
 
+def check_placement(layer: int, target: str, shapes: dict[str, tuple[int, int]],
+                    num_layers: int) -> tuple[int, int]:
+    """ValueError unless the model has `layer` and a `target` linear; returns its (in, out)."""
+    if not 0 <= layer < num_layers:
+        raise ValueError(
+            f"the adapter has weights for layer {layer}; the model has {num_layers} layers")
+    if target not in shapes:
+        raise ValueError(f"the model has no {target} to attach to")
+    return shapes[target]
+
+
+def move_tensor(t: torch.Tensor, device: torch.device | str | None, dtype: torch.dtype | None,
+                pin_memory: bool) -> torch.Tensor:
+    """`t` moved/cast and contiguous; pinned host memory speeds later copies to the GPU."""
+    t = t.to(device=device, dtype=dtype).contiguous()
+    return t.pin_memory() if pin_memory else t
+
+
 class BypassNetwork(abc.ABC):
     """A side network f_A attached to some backbone linears of every decoder layer."""
 

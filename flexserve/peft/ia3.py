@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from flexserve.peft.bypass import TARGET_MODULES, BypassNetwork
+from flexserve.peft.bypass import TARGET_MODULES, BypassNetwork, check_placement, move_tensor
 
 # PEFT's IA3 default for Llama-family models (TRANSFORMERS_MODELS_TO_IA3_*_MAPPING["llama"]).
 IA3_DEFAULT_TARGETS = ("k_proj", "v_proj", "down_proj")
@@ -114,13 +114,7 @@ class IA3Adapter(BypassNetwork):
         """ValueError unless every vector fits its linear. `max_rank` is ignored: (IA)3 vectors
         have no rank."""
         for (layer, target), vector in sorted(self.weights.items()):
-            if not 0 <= layer < num_layers:
-                raise ValueError(
-                    f"the adapter has weights for layer {layer}; the model has {num_layers} layers"
-                )
-            if target not in shapes:
-                raise ValueError(f"the model has no {target} to attach to")
-            in_features, out_features = shapes[target]
+            in_features, out_features = check_placement(layer, target, shapes, num_layers)
             feedforward = self.is_feedforward(target)
             expected = in_features if feedforward else out_features
             if vector.shape[0] != expected:
@@ -135,12 +129,8 @@ class IA3Adapter(BypassNetwork):
            pin_memory: bool = False) -> IA3Adapter:
         """A copy with its vectors moved/cast (pinned host memory speeds copies to the GPU)."""
 
-        def move(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(device=device, dtype=dtype).contiguous()
-            return t.pin_memory() if pin_memory else t
-
         return IA3Adapter(
-            weights={k: move(v) for k, v in self.weights.items()},
+            weights={k: move_tensor(v, device, dtype, pin_memory) for k, v in self.weights.items()},
             feedforward_modules=self.feedforward_modules,
             base_model_name_or_path=self.base_model_name_or_path,
         )

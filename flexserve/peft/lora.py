@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexserve.peft.bypass import TARGET_MODULES, BypassNetwork
+from flexserve.peft.bypass import TARGET_MODULES, BypassNetwork, check_placement, move_tensor
 
 
 def lora_scaling(rank: int, lora_alpha: float, use_rslora: bool) -> float:
@@ -80,13 +80,7 @@ class LoRAAdapter(BypassNetwork):
                 "(--max-lora-rank)"
             )
         for (layer, target), (a, b) in sorted(self.weights.items()):
-            if not 0 <= layer < num_layers:
-                raise ValueError(
-                    f"the adapter has weights for layer {layer}; the model has {num_layers} layers"
-                )
-            if target not in shapes:
-                raise ValueError(f"the model has no {target} to attach to")
-            in_features, out_features = shapes[target]
+            in_features, out_features = check_placement(layer, target, shapes, num_layers)
             if a.shape[1] != in_features or b.shape[0] != out_features:
                 raise ValueError(
                     f"the adapter does not fit the base model: layer {layer} {target} has "
@@ -99,8 +93,7 @@ class LoRAAdapter(BypassNetwork):
         """A copy with its tensors moved/cast (pinned host memory speeds copies to the GPU)."""
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(device=device, dtype=dtype).contiguous()
-            return t.pin_memory() if pin_memory else t
+            return move_tensor(t, device, dtype, pin_memory)
 
         return LoRAAdapter(
             rank=self.rank, lora_alpha=self.lora_alpha,

@@ -18,12 +18,12 @@ from flexserve.engine.plan import (
     TokenLogprobs,
 )
 from flexserve.layers.attention import AttentionMetadata
+from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.layers.sampler import (
     Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,
-    to_device,
     to_token_logprobs,
 )
 from flexserve.model.loader import load_model, resolve_dtype
@@ -291,7 +291,7 @@ class ModelRunner:
         last_token_index: torch.Tensor,
         result: StepResult,
     ) -> None:
-        index = last_token_index[to_device(sample_rows, torch.int64, self.device)]
+        index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
         logits = self.model.compute_logits(hidden[index])
         sampled_rows = [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
