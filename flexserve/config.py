@@ -98,6 +98,9 @@ class LoRAConfig:
     max_lora_rank: int = 64  # width of every slot; adapters of a larger rank are refused
     allowed_adapter_dir: str | None = None  # adapter paths must resolve inside it; None: anywhere
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, loaded at start
+    # Roots of adapters the server writes itself (the fine-tuning service's checkpoints, added
+    # by it): servable even when allowed_adapter_dir points elsewhere.
+    internal_adapter_dirs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _positive_int("max_loras", self.max_loras)
@@ -127,6 +130,16 @@ class LoRAConfig:
             if not isinstance(path, str) or not path:
                 raise ValueError(f"lora_modules: adapter {name!r} needs a path, got {path!r}")
 
+    def allowed_dir_for(self, path: str) -> str | None:
+        """The directory `path` must resolve inside: None (anywhere) inside one of the
+        internal_adapter_dirs, else allowed_adapter_dir (symlinks and `..` resolved first)."""
+        real = os.path.realpath(os.path.expanduser(path))
+        for root in self.internal_adapter_dirs:
+            root = os.path.realpath(root)
+            if os.path.commonpath([real, root]) == root:
+                return None
+        return self.allowed_adapter_dir
+
 
 @dataclass(slots=True)
 class FinetuneConfig:
@@ -144,6 +157,47 @@ class FinetuneConfig:
             raise ValueError(f"remat_threshold must be >= 0, got {self.remat_threshold!r}")
 
 
+_POLICIES = ("coserve", "temporal", "dynamic-temporal", "spatial", "inference-only")
+
+
+@dataclass(slots=True)
+class CoserveConfig:
+    """How inference and fine-tuning share iterations (FlexLLM 6.2, appendices A and C)."""
+
+    policy: str = "coserve"  # coserve | temporal | dynamic-temporal | spatial | inference-only
+    slo_tpot_ms: float | None = 50.0  # time-per-output-token SLO: the iteration time the
+    # windows fit in; None: no SLO, fine-tuning windows fill the token budget (offline use)
+    slo_ttft_ms: float = 5000.0  # time-to-first-token SLO (attainment, and TTFT pressure)
+    slo_margin: float = 0.1  # fraction of the TPOT SLO kept free for latency-model error
+    finetune_min_share: float = 0.01  # fraction of the token budget fine-tuning keeps when
+    # inference alone saturates the SLO (fine-tuning never starves completely)
+    ttft_pressure: float = 0.5  # a prompt waiting longer than this fraction of the TTFT SLO
+    # shrinks fine-tuning to its minimum share
+    temporal_frequency: int = 64  # temporal: one fine-tuning step after every n iterations
+    latency_profile: str | None = None  # a `flexserve profile` JSON; None: the state dir's match
+    vtc_prompt_weight: float = 1.0  # w_p of the Virtual Token Counter (per prompt token)
+    vtc_output_weight: float = 2.0  # w_q (per generated token)
+    vtc_finetune_weight: float = 1.0  # w_r (per fine-tuning token, forward plus backward)
+    finetune_backward_stream: bool = False  # CUDA: run backward windows on a second stream,
+    # concurrently with the forward (FlexLLM figure 9)
+
+    def __post_init__(self) -> None:
+        if self.policy not in _POLICIES:
+            raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
+        _positive("slo_tpot_ms", self.slo_tpot_ms, allow_none=True)
+        _positive("slo_ttft_ms", self.slo_ttft_ms)
+        for name in ("slo_margin", "finetune_min_share", "ttft_pressure"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        _positive_int("temporal_frequency", self.temporal_frequency)
+        for name in ("vtc_prompt_weight", "vtc_output_weight", "vtc_finetune_weight"):
+            _positive(name, getattr(self, name))
+        if self.latency_profile is not None and not os.path.isfile(self.latency_profile):
+            raise ValueError(f"latency_profile {self.latency_profile!r} is not a file")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; `max_model_len` is resolved from the checkpoint when loaded."""
@@ -153,4 +207,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig | None = None  # None: LoRA disabled (no slots, no wrapped linears)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    coserve: CoserveConfig = field(default_factory=CoserveConfig)
     disable_log_stats: bool = False  # periodic one-line stats in the log

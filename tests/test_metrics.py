@@ -23,14 +23,16 @@ HISTOGRAMS = {
     "flexserve:time_to_first_token_seconds", "flexserve:inter_token_latency_seconds",
     "flexserve:e2e_request_latency_seconds", "flexserve:request_queue_time_seconds",
     "flexserve:iteration_latency_seconds", "flexserve:iteration_tokens",
+    "flexserve:finetune_window_tokens",
 }
 GAUGES = {
     "flexserve:num_requests_running", "flexserve:num_requests_waiting",
     "flexserve:kv_cache_usage_perc", "flexserve:prefix_cache_hit_rate",
+    "flexserve:slo_attainment", "flexserve:latency_model_error_ratio",
 }
 COUNTERS = {  # family names: the exposition adds `_total`
     "flexserve:prompt_tokens", "flexserve:generation_tokens", "flexserve:request_success",
-    "flexserve:num_preemptions",
+    "flexserve:num_preemptions", "flexserve:requests_slo_met", "flexserve:finetune_tokens",
 }
 
 
@@ -171,3 +173,36 @@ def test_each_stat_logger_has_its_own_registry():
 def test_iteration_tokens_buckets_double_up_to_the_budget():
     assert iteration_tokens_buckets(100) == (1, 8, 16, 32, 64, 100)
     assert iteration_tokens_buckets(2048)[-1] == 2048
+
+
+def test_coserving_metrics_map_slo_attainment_and_fine_tuning_work():
+    metrics = PrometheusStatLogger(MODEL, max_num_batched_tokens=512, slo_ttft_s=1.0,
+                                   slo_tpot_s=0.05, slo_window_s=10.0)
+
+    def finished(ttft, tpot):
+        return FinishedRequestStats(["length"], 2.0, 0.1, 10, 5, aborted=False, ttft=ttft,
+                                    tpot=tpot)
+
+    metrics.record(IterationStats(
+        now=100.0, finished_requests=[finished(0.5, 0.04), finished(1.5, 0.04),
+                                      finished(0.2, 0.08), finished(0.3, None)],
+        finetune_forward_tokens={"ftjob-a": 30, "ftjob-b": 10},
+        finetune_backward_tokens={"ftjob-a": 96}, latency_model_error_ratio=0.12))
+    s = scrape(metrics.render()[0].decode())
+    assert value(s, "flexserve:requests_slo_met_total", slo="ttft") == 3
+    assert value(s, "flexserve:requests_slo_met_total", slo="tpot") == 3  # one token: met
+    assert value(s, "flexserve:slo_attainment", slo="ttft") == 0.75
+    assert value(s, "flexserve:slo_attainment", slo="tpot") == 0.75
+    assert value(s, "flexserve:finetune_tokens_total", job_id="ftjob-a", phase="forward") == 30
+    assert value(s, "flexserve:finetune_tokens_total", job_id="ftjob-a", phase="backward") == 96
+    assert value(s, "flexserve:finetune_tokens_total", job_id="ftjob-b", phase="forward") == 10
+    assert value(s, "flexserve:finetune_window_tokens_sum") == 40
+    assert value(s, "flexserve:latency_model_error_ratio") == 0.12
+    # The attainment window rolls: after 10 s only the newer requests count.
+    metrics.record(IterationStats(now=105.0, finished_requests=[finished(2.0, 0.2)]))
+    s = scrape(metrics.render()[0].decode())
+    assert value(s, "flexserve:slo_attainment", slo="ttft") == 0.6
+    metrics.record(IterationStats(now=111.0, finished_requests=[finished(0.1, 0.01)]))
+    s = scrape(metrics.render()[0].decode())
+    assert value(s, "flexserve:slo_attainment", slo="ttft") == 0.5  # 2.0 (miss) and 0.1 (met)
+    assert value(s, "flexserve:requests_slo_met_total", slo="ttft") == 4

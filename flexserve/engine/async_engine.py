@@ -38,6 +38,8 @@ from flexserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_WAKEUP_S = 1.0  # an idle engine thread still wakes this often so periodic logs flush
+_STALLED_WAIT_S = 0.01  # fine-tuning work that placed nothing this pass waits this long for
+# commands, instead of spinning (its KV blocks or window budget free up in a later pass)
 _ABORTED = object()  # queue item: the request was aborted from elsewhere; the stream just ends
 
 
@@ -72,6 +74,8 @@ class AsyncLLMEngine:
         self._trackers: dict[str, RequestTracker] = {}
         self._num_preemptions_seen = 0
         self._pending_finished: list[FinishedRequestStats] = []  # aborts, reported next pass
+        # Engine-thread callbacks that get the fine-tuning jobs' updates after every pass.
+        self._finetune_listeners: list[Callable[[list[Any]], None]] = []
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> AsyncLLMEngine:
@@ -139,10 +143,11 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt_text: str | None = None,
         lora_name: str | None = None,
+        tenant: str = "default",
     ) -> PreparedRequest:
         """Tokenize and validate a prompt off the engine thread; raises ValueError on bad input."""
         return self.engine.process_inputs(
-            request_id, prompt, params, prompt_text, lora_name=lora_name)
+            request_id, prompt, params, prompt_text, lora_name=lora_name, tenant=tenant)
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
         """Enqueue a prepared request and yield its cumulative outputs until it finishes.
@@ -208,7 +213,7 @@ class AsyncLLMEngine:
         engine = self.engine
         lora_request = engine.new_lora_request(lora_name, lora_path)
         await asyncio.to_thread(engine.load_lora, lora_request)
-        await self._call(engine.register_lora, lora_request)
+        await self.call(engine.register_lora, lora_request)
         logger.info("loaded LoRA adapter %r from %s", lora_name, lora_path)
         return lora_request
 
@@ -217,9 +222,27 @@ class AsyncLLMEngine:
 
         Raises `AdapterNotFoundError` for an unknown name.
         """
-        return await self._call(self.engine.remove_lora, lora_name)
+        return await self.call(self.engine.remove_lora, lora_name)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    # ------------------------------------------------------------------------------ fine-tuning
+    def add_finetune_listener(self, listener: Callable[[list[Any]], None]) -> None:
+        """Call `listener(updates)` on the engine thread after every pass of the engine loop
+        that has any, with `LLMEngine.pop_finetune_updates()`: right after the step, before the
+        next one, so at a "step" update the job is still at that optimizer-step boundary (a
+        listener may save a checkpoint then). A listener's exception is logged, never fatal."""
+        self._finetune_listeners.append(listener)
+
+    def _deliver_finetune_updates(self) -> None:
+        updates = self.engine.pop_finetune_updates()  # popped even unheard: they never pile up
+        if not updates:
+            return
+        for listener in self._finetune_listeners:
+            try:
+                listener(updates)
+            except Exception:  # a broken listener must not take the engine down
+                logger.exception("fine-tuning listener %r failed", listener)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the engine thread between two steps; its result or exception."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
@@ -233,24 +256,35 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
+            stalled = False  # the last step had fine-tuning work but placed nothing
             while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._process_commands(block):
+                block = not self._has_work()
+                if not self._process_commands(block, _STALLED_WAIT_S if stalled else None):
                     break
                 stats = self._new_stats()
-                if self.engine.has_unfinished_requests():
+                stalled = False
+                if self._has_work():
                     self._step(stats)
+                    stalled = (self.engine.last_step_stats is None
+                               and not self.engine.has_unfinished_requests())
+                self._deliver_finetune_updates()
                 self._finish_stats(stats)
             self._fail_all(EngineDeadError("the engine was shut down"))
         except BaseException as e:  # a crashed engine must not leave clients waiting forever
             logger.exception("the engine loop failed; failing all in-flight requests")
             self._fail_all(EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}"))
 
-    def _process_commands(self, block: bool) -> bool:
-        """Apply queued adds and aborts; False on a stop command."""
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished_requests() or self.engine.has_finetune_work()
+
+    def _process_commands(self, block: bool, wait_s: float | None = None) -> bool:
+        """Apply queued adds and aborts; False on a stop command. `wait_s`: wait this long for
+        a first command even when not blocking."""
         try:
             if block:
                 command = self._commands.get(timeout=_IDLE_WAKEUP_S)
+            elif wait_s is not None:
+                command = self._commands.get(timeout=wait_s)
             else:
                 command = self._commands.get_nowait()
         except queue.Empty:
@@ -305,6 +339,9 @@ class AsyncLLMEngine:
         if step_stats is not None:
             stats.step_latency = step_stats.latency
             stats.num_batched_tokens = step_stats.num_batched_tokens
+            stats.finetune_forward_tokens = step_stats.finetune_forward_tokens
+            stats.finetune_backward_tokens = step_stats.finetune_backward_tokens
+            stats.latency_model_error_ratio = step_stats.latency_model_error_ratio
         for request_id, reason in self.engine.pop_failed_requests().items():
             tracker = self._trackers.pop(request_id, None)
             if tracker is not None:

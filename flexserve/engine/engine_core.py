@@ -47,6 +47,12 @@ class StepStats:
     latency: float  # wall seconds of schedule + execute + update
     # request id -> reason, for requests the engine aborted because their adapter failed to load
     failed_requests: dict[str, str] = field(default_factory=dict)
+    finetune_forward_tokens: dict[str, int] = field(default_factory=dict)  # job id -> tokens of
+    # its forward windows this step
+    finetune_backward_tokens: dict[str, int] = field(default_factory=dict)  # job id -> backward
+    # layer-window tokens this step
+    predicted_latency: float = 0.0  # the latency model's prediction for this plan, seconds
+    latency_model_error_ratio: float = 0.0  # rolling |predicted - measured| / measured
 
 
 class EngineCore:
@@ -63,8 +69,11 @@ class EngineCore:
         if plan.is_empty:
             return [], None, None
         result = self.executor.execute(plan)
+        # Schedule + execute is what the next token waits for; the latency model predicts it.
+        self.scheduler.observe_iteration(plan, time.perf_counter() - start)
         failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
+        hybrid = self.scheduler.hybrid
         stats = StepStats(
             num_batched_tokens=plan.num_batched_tokens,
             num_sequences=len(plan.sequences),
@@ -72,5 +81,13 @@ class EngineCore:
             num_preemptions=len(plan.preempted_request_ids),
             latency=time.perf_counter() - start,
             failed_requests=failed,
+            predicted_latency=hybrid.last_predicted_s,
+            latency_model_error_ratio=hybrid.latency_model.error_ratio,
         )
+        for window in plan.finetune_windows:
+            tokens = stats.finetune_forward_tokens
+            tokens[window.job_id] = tokens.get(window.job_id, 0) + window.end - window.start
+        for window in plan.backward_windows:
+            tokens = stats.finetune_backward_tokens
+            tokens[window.job_id] = tokens.get(window.job_id, 0) + window.end - window.start
         return updated, result, stats

@@ -1,28 +1,44 @@
 """The fine-tuning half of the hybrid token scheduler: after the inference rows of a step, the
-remaining token budget goes to fine-tuning windows (FlexLLM section 6.1, algorithm 2).
+windows of fine-tuning jobs fill what the iteration has left (FlexLLM section 6.1, algorithm 2).
 
-A job trains its examples in the order of its optimizer steps; the sequences of one step run one
-after another, each in two phases:
+A job trains its optimizer steps in order. The sequences of one step are packed into bins of at
+most `FinetuneJobState.pack_capacity` tokens (first-fit decreasing, `finetune.steps.
+pack_sequences`); the sequences of a bin run concurrently and the next bin starts once every
+sequence of this one has its last window placed. Each sequence runs in two phases:
 
 - forward: windows [l_i, l_i + s_i) in order, each one more row of the step's flat batch (same
-  forward call as the inference rows, K/V into the paged cache), s_i = the budget left;
-- backward: layers from the top; inside a layer, windows [l_j - s_j, l_j) from the end of the
-  sequence to the start, each window counting its tokens against the budget (so one step may hold
-  several layer-windows, or a window may span steps).
+  forward call as the inference rows, K/V into the paged cache); at most one per iteration,
+  because the next window attends to this one's K/V;
+- backward: from the iteration after its last forward window (the worker may run backward
+  windows on a side stream, concurrently with the forward), layers from the top; inside a layer,
+  windows [l_j - s_j, l_j) from the end of the sequence to the start (one iteration may hold
+  several layer-windows, or a window may span iterations); each sequence keeps its own layer and
+  window progress.
 
-The sequence's KV blocks are allocated in full when it starts (FlexLLM's admission rule: only
-if they all fit) and freed after its last backward window (layer 0, position 0) ran. The blocks
-are shared by all layers (one block id covers that block in every layer's cache), so they are not
-released layer by layer. After a step's last sequence, the plan carries the job's optimizer step.
+How many tokens a window gets is the `WindowSizer`'s answer (a plain token budget, or the hybrid
+scheduler's latency model); which job gets the next window is the `JobPicker`'s (default: the job
+that started first, `FirstStartedPicker`; the hybrid scheduler's picker charges tenants by VTC).
+
+A bin's KV blocks are allocated in full when it starts (FlexLLM's admission rule: only if the
+blocks of all its sequences fit) and each sequence's blocks are freed after its last backward
+window (layer 0, position 0) ran. Blocks are shared by all layers (one block id covers that block
+in every layer's cache), so they are not released layer by layer. After a step's last bin, the
+plan carries the job's optimizer step, and the job places nothing more until that step's result
+is folded in (its next forward must see the updated adapter). Sequence ids are positions in the
+job's training order (step by step), so packing, resuming and dropout seeds agree on them.
 Pure Python: the worker owns every tensor (activations, gradients, optimizer state).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
+from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
+from flexserve.finetune.steps import pack_sequences
 
 
 class FinetuneJobStatus(enum.Enum):
@@ -38,6 +54,80 @@ class TrainingSequence:
 
     token_ids: list[int]
     loss_mask: list[bool]  # loss_mask[p]: token p counts in the loss (predicted from p - 1)
+
+
+@dataclass(slots=True)
+class FinetuneUpdate:
+    """Something a job did in the last step(s), for the service (events, metrics, checkpoints)."""
+
+    job_id: str
+    kind: str  # "step" (an optimizer step finished), "succeeded", "failed", "cancelled"
+    step: int  # optimizer steps done after this update
+    num_steps: int  # optimizer steps the job plans in all
+    loss: float | None  # mean token loss of that step ("step" only)
+    grad_norm: float | None  # its gradient norm before clipping ("step" only)
+    num_trained_tokens: int  # forward tokens of the job so far (OpenAI's trained_tokens)
+    message: str | None  # the failure reason, or the event text
+
+
+class WindowSizer(Protocol):
+    """How many tokens the next fine-tuning window may have in this iteration."""
+
+    def forward(self, start: int, max_tokens: int) -> int:
+        """Tokens (0..max_tokens) of a forward window starting at position `start` that fit in
+        this iteration now; the sizer counts the returned tokens as taken."""
+        ...
+
+    def backward(self, end: int, max_tokens: int) -> int:
+        """Tokens n (0..max_tokens) of a backward window [end - n, end) of one layer that fit
+        now; counted as taken."""
+        ...
+
+
+class TokenBudgetSizer:
+    """The plain token budget: a forward token and a backward token-layer both cost 1."""
+
+    def __init__(self, budget: int) -> None:
+        self._remaining = max(budget, 0)
+
+    @property
+    def remaining(self) -> int:
+        return self._remaining
+
+    def forward(self, start: int, max_tokens: int) -> int:
+        return self._take(max_tokens)
+
+    def backward(self, end: int, max_tokens: int) -> int:
+        return self._take(max_tokens)
+
+    def _take(self, max_tokens: int) -> int:
+        n = max(0, min(max_tokens, self._remaining))
+        self._remaining -= n
+        return n
+
+
+class JobPicker(Protocol):
+    """Which job gets the next window of an iteration."""
+
+    def pick(self, jobs: Sequence[FinetuneJobState]) -> FinetuneJobState:
+        """Which of these jobs (all have schedulable work this step) gets the next window."""
+        ...
+
+    def charge(self, job: FinetuneJobState, num_tokens: int, backward: bool) -> None:
+        """`num_tokens` of the job's window tokens were placed in the plan: forward-window
+        tokens, or (`backward`) tokens of one layer's backward window."""
+        ...
+
+
+class FirstStartedPicker:
+    """The default picker: the job that started first among the candidates (the scheduler
+    passes candidates in start order), so a job's windows take what earlier jobs leave."""
+
+    def pick(self, jobs: Sequence[FinetuneJobState]) -> FinetuneJobState:
+        return jobs[0]
+
+    def charge(self, job: FinetuneJobState, num_tokens: int, backward: bool) -> None:
+        pass
 
 
 class _SequenceKV:
@@ -65,6 +155,7 @@ class _RunningSequence:
     num_forward_tokens: int = 0  # positions whose forward window has been scheduled
     backward_layer: int = -1  # layer of the next backward window; -1: forward phase
     backward_end: int = 0  # the next backward window ends here
+    done: bool = False  # its last backward window is in a plan (blocks freed at that update)
 
 
 @dataclass(slots=True)
@@ -75,11 +166,16 @@ class FinetuneJobState:
     sequences: list[TrainingSequence]  # the examples
     steps: list[list[int]]  # example indices of each optimizer step, in order
     lora_slot: int  # device slot holding the job's adapter for its whole run
+    tenant: str = "default"  # the fair-share account its window tokens are charged to
+    pack_capacity: int | None = None  # max tokens of a bin of concurrent sequences; None: one
     status: FinetuneJobStatus = FinetuneJobStatus.RUNNING
     error: str | None = None
     step_index: int = 0  # optimizer steps done
-    next_example: int = 0  # position in steps[step_index] of the next sequence to start
-    running: _RunningSequence | None = None
+    # the current step's bins, each a list of (sequence id, example index); made when the
+    # step's first bin starts, dropped when its optimizer step is folded in
+    bins: list[list[tuple[int, int]]] | None = None
+    next_bin: int = 0  # index into `bins` of the next bin to start
+    running: list[_RunningSequence] = field(default_factory=list)  # holding KV blocks
     num_sequences_started: int = 0
     step_loss_sum: float = 0.0
     step_loss_count: int = 0
@@ -89,6 +185,7 @@ class FinetuneJobState:
     num_backward_tokens: int = 0  # layer-window tokens of backward windows scheduled so far
     events: list[str] = field(default_factory=list)  # human-readable progress, oldest first
     slot_released: bool = False  # the engine gave its LoRA slot back after it ended
+    data_sha256: str | None = None  # fingerprint of sequences and steps (made on first use)
 
     @property
     def num_steps(self) -> int:
@@ -97,6 +194,17 @@ class FinetuneJobState:
     @property
     def finished(self) -> bool:
         return self.status != FinetuneJobStatus.RUNNING
+
+    @property
+    def at_step_boundary(self) -> bool:
+        """No sequence holds state: the job's adapter and optimizer are between steps."""
+        return not self.running
+
+    def fingerprint(self) -> str:
+        if self.data_sha256 is None:
+            self.data_sha256 = data_fingerprint(
+                [(s.token_ids, s.loss_mask) for s in self.sequences], self.steps)
+        return self.data_sha256
 
 
 class FinetuneScheduler:
@@ -107,6 +215,8 @@ class FinetuneScheduler:
         self.num_layers = num_layers
         self.max_finetune_len = max_finetune_len
         self.jobs: dict[str, FinetuneJobState] = {}  # every job not yet removed, in start order
+        self.default_picker = FirstStartedPicker()
+        self._updates: list[FinetuneUpdate] = []
 
     def add_job(self, job: FinetuneJobState) -> None:
         if job.job_id in self.jobs:
@@ -122,73 +232,120 @@ class FinetuneScheduler:
                 # It would wait for blocks forever: even an idle cache cannot hold it.
                 raise ValueError(f"example {i} has {len(seq.token_ids)} tokens; the KV cache holds "
                                  f"{self.kv.num_blocks * self.kv.block_size}")
+        if job.pack_capacity is not None and job.pack_capacity < 1:
+            raise ValueError(f"pack_capacity must be >= 1 or None, got {job.pack_capacity!r}")
         self.jobs[job.job_id] = job
+        if job.step_index == job.num_steps and not job.finished:  # resumed after its last step
+            job.status = FinetuneJobStatus.SUCCEEDED
+            job.events.append("The job has successfully completed.")
+            self._updates.append(self._update(job, "succeeded", job.events[-1]))
 
     def has_work(self) -> bool:
         return any(not job.finished for job in self.jobs.values())
 
     # ---------------------------------------------------------------------------- scheduling
-    def schedule(self, plan: BatchPlan, budget: int) -> int:
-        """Add fine-tuning work to `plan` within `budget` tokens; returns the budget left."""
-        for job in self.jobs.values():
-            if job.finished:
-                continue
-            if budget <= 0:
-                break
-            budget = self._schedule_job(plan, job, budget)
-        return budget
+    def schedule(self, plan: BatchPlan, sizer: WindowSizer, picker: JobPicker | None = None
+                 ) -> None:
+        """Add fine-tuning work to `plan`: ask `picker` for a job among those with schedulable
+        work, place that job's next window as large as `sizer` allows, charge it; until the
+        sizer gives no job a token or no job has work left."""
+        picker = picker or self.default_picker
+        forwarded: set[tuple[str, int]] = set()  # sequences with a forward window in this plan
+        candidates = [job for job in self.jobs.values() if self._has_work(job, forwarded)]
+        while candidates:
+            job = picker.pick(candidates)
+            num_tokens, backward = self._place_window(plan, job, sizer, forwarded)
+            if num_tokens > 0:
+                picker.charge(job, num_tokens, backward)
+            if num_tokens == 0 or not self._has_work(job, forwarded):
+                candidates = [c for c in candidates if c is not job]
 
-    def _schedule_job(self, plan: BatchPlan, job: FinetuneJobState, budget: int) -> int:
-        seq = job.running
-        if seq is None:
-            seq = self._start_sequence(plan, job)
-            if seq is None:
-                return budget  # its KV blocks do not fit now; inference keeps the memory
-        if seq.backward_layer < 0:  # forward phase: one window, one row
-            n = min(budget, seq.length - seq.num_forward_tokens)
+    def _has_work(self, job: FinetuneJobState, forwarded: set[tuple[str, int]]) -> bool:
+        if job.finished:
+            return False
+        active = [s for s in job.running if not s.done]
+        if active:
+            return any((job.job_id, s.sequence_id) not in forwarded for s in active)
+        # Every started sequence is done: the next bin may start, unless the step is complete
+        # (its optimizer step is in a plan whose result has not been folded in yet).
+        return job.bins is None or job.next_bin < len(job.bins)
+
+    def _place_window(self, plan: BatchPlan, job: FinetuneJobState, sizer: WindowSizer,
+                      forwarded: set[tuple[str, int]]) -> tuple[int, bool]:
+        """Place the job's next window (forward windows of its bin first, then backward ones);
+        returns its tokens (0 when nothing could be placed: no KV blocks for its next bin, or
+        the sizer said 0 to every window) and whether it is a backward window."""
+        if all(s.done for s in job.running) and not self._start_bin(plan, job):
+            return 0, False  # its KV blocks do not fit now; inference keeps the memory
+        for seq in job.running:
+            key = (job.job_id, seq.sequence_id)
+            if seq.done or seq.backward_layer >= 0 or key in forwarded:
+                continue
+            n = sizer.forward(seq.num_forward_tokens, seq.length - seq.num_forward_tokens)
+            if n <= 0:
+                continue
             plan.finetune_windows.append(FinetuneWindow(
                 job.job_id, seq.sequence_id, seq.num_forward_tokens,
                 seq.num_forward_tokens + n, job.lora_slot))
+            forwarded.add(key)
             seq.num_forward_tokens += n
             seq.kv.num_computed_tokens += n
             job.num_forward_tokens += n
             plan.num_batched_tokens += n
             if seq.num_forward_tokens == seq.length:
                 seq.backward_layer, seq.backward_end = self.num_layers - 1, seq.length
-            return budget - n
-        while budget > 0 and seq.backward_layer >= 0:
-            n = min(budget, seq.backward_end)
+            return n, False
+        for seq in job.running:
+            if seq.done or seq.backward_layer < 0 or (job.job_id, seq.sequence_id) in forwarded:
+                continue
+            n = sizer.backward(seq.backward_end, seq.backward_end)
+            if n <= 0:
+                continue
             plan.backward_windows.append(BackwardWindow(
                 job.job_id, seq.sequence_id, seq.backward_layer, seq.backward_end - n,
                 seq.backward_end))
-            budget -= n
             job.num_backward_tokens += n
             seq.backward_end -= n
             if seq.backward_end == 0:
                 seq.backward_layer -= 1
                 seq.backward_end = seq.length
-        if seq.backward_layer < 0:  # its last window is in this plan
-            plan.finished_finetune_sequences.append((job.job_id, seq.sequence_id))
-            job.next_example += 1
-            if job.next_example == len(job.steps[job.step_index]):
-                plan.optimizer_steps.append(job.job_id)
-        return budget
+            if seq.backward_layer < 0:  # its last window is in this plan
+                seq.done = True
+                plan.finished_finetune_sequences.append((job.job_id, seq.sequence_id))
+                if job.next_bin == len(job.bins) and all(s.done for s in job.running):
+                    plan.optimizer_steps.append(job.job_id)
+            return n, True
+        return 0, False
 
-    def _start_sequence(self, plan: BatchPlan, job: FinetuneJobState) -> _RunningSequence | None:
-        example = job.sequences[job.steps[job.step_index][job.next_example]]
-        sequence_id = job.num_sequences_started
-        kv = _SequenceKV(f"finetune:{job.job_id}:{sequence_id}", example.token_ids)
-        if self.kv.allocate_slots(kv, kv.num_tokens, cache_blocks=False) is None:
-            return None
+    def _start_bin(self, plan: BatchPlan, job: FinetuneJobState) -> bool:
         step_examples = job.steps[job.step_index]
+        if job.bins is None:
+            lengths = [len(job.sequences[i].token_ids) for i in step_examples]
+            first_id = job.num_sequences_started  # every earlier step's sequences started
+            job.bins = [[(first_id + p, step_examples[p]) for p in members]
+                        for members in pack_sequences(lengths, job.pack_capacity,
+                                                      self.kv.block_size, self.kv.num_blocks)]
+            job.next_bin = 0
+        started: list[_RunningSequence] = []
+        for sequence_id, example_index in job.bins[job.next_bin]:
+            kv = _SequenceKV(f"finetune:{job.job_id}:{sequence_id}",
+                             job.sequences[example_index].token_ids)
+            if self.kv.allocate_slots(kv, kv.num_tokens, cache_blocks=False) is None:
+                for seq in started:  # all of the bin or none of it
+                    self.kv.free(seq.kv)
+                return False
+            started.append(_RunningSequence(sequence_id, kv, kv.num_tokens))
         num_loss_tokens = sum(sum(job.sequences[i].loss_mask) for i in step_examples)
-        job.num_sequences_started += 1
-        plan.finetune_starts.append(FinetuneSequenceStart(
-            job.job_id, sequence_id, example.token_ids, example.loss_mask,
-            loss_scale=1.0 / max(num_loss_tokens, 1),
-            block_ids=self.kv.get_block_ids(kv.request_id)))
-        job.running = _RunningSequence(sequence_id, kv, kv.num_tokens)
-        return job.running
+        for seq, (_, example_index) in zip(started, job.bins[job.next_bin]):
+            example = job.sequences[example_index]
+            plan.finetune_starts.append(FinetuneSequenceStart(
+                job.job_id, seq.sequence_id, example.token_ids, example.loss_mask,
+                loss_scale=1.0 / max(num_loss_tokens, 1),
+                block_ids=self.kv.get_block_ids(seq.kv.request_id)))
+        job.num_sequences_started += len(started)
+        job.next_bin += 1
+        job.running.extend(started)  # after the last bin's sequences, freed at their update
+        return True
 
     # ------------------------------------------------------------------------------- results
     def update(self, plan: BatchPlan, losses: dict, grad_norms: dict[str, float],
@@ -203,10 +360,17 @@ class FinetuneScheduler:
                 changed[job_id] = job
         for job_id, sequence_id in plan.finished_finetune_sequences:
             job = self.jobs.get(job_id)
-            if job is not None and job.running is not None \
-                    and job.running.sequence_id == sequence_id:
-                self.kv.free(job.running.kv)
-                job.running = None
+            if job is not None:
+                for seq in job.running:
+                    if seq.sequence_id == sequence_id:
+                        self.kv.free(seq.kv)
+                job.running = [s for s in job.running if s.sequence_id != sequence_id]
+        for job_id, reason in errors.items():
+            job = self.jobs.get(job_id)
+            if job is not None and not job.finished:
+                self.end_job(job_id, FinetuneJobStatus.FAILED, reason)
+                job.events.append(f"The job failed: {reason}")
+                changed[job_id] = job
         for job_id in plan.optimizer_steps:
             job = self.jobs.get(job_id)
             if job is None or job.finished:
@@ -217,30 +381,83 @@ class FinetuneScheduler:
                               f"{job.losses[-1]:.4f}, grad norm={job.grad_norms[-1]:.4f}")
             job.step_loss_sum, job.step_loss_count = 0.0, 0
             job.step_index += 1
-            job.next_example = 0
+            job.bins, job.next_bin = None, 0
+            self._updates.append(FinetuneUpdate(
+                job_id, "step", job.step_index, job.num_steps, job.losses[-1],
+                job.grad_norms[-1], job.num_forward_tokens, job.events[-1]))
             if job.step_index == job.num_steps:
                 job.status = FinetuneJobStatus.SUCCEEDED
                 job.events.append("The job has successfully completed.")
+                self._updates.append(self._update(job, "succeeded", job.events[-1]))
             changed[job_id] = job
-        for job_id, reason in errors.items():
-            job = self.jobs.get(job_id)
-            if job is not None and not job.finished:
-                self.end_job(job_id, FinetuneJobStatus.FAILED, reason)
-                job.events.append(f"The job failed: {reason}")
-                changed[job_id] = job
         return list(changed.values())
 
     def end_job(self, job_id: str, status: FinetuneJobStatus, error: str | None = None) -> None:
-        """Stop a job (cancel, failure): its sequence's KV blocks are freed now."""
+        """Stop a job (cancel, failure): its sequences' KV blocks are freed now."""
         job = self.jobs[job_id]
-        if job.running is not None:
-            self.kv.free(job.running.kv)
-            job.running = None
+        for seq in job.running:
+            self.kv.free(seq.kv)
+        job.running = []
+        job.bins, job.next_bin = None, 0
         job.status = status
         job.error = error
+        message = error if status == FinetuneJobStatus.FAILED else "Job cancelled."
+        self._updates.append(self._update(job, status.value, message))
 
     def remove_job(self, job_id: str) -> None:
         job = self.jobs.pop(job_id, None)
-        if job is not None and job.running is not None:
-            self.kv.free(job.running.kv)
+        if job is not None:
+            for seq in job.running:
+                self.kv.free(seq.kv)
+            job.running = []
+        self._updates = [u for u in self._updates if u.job_id != job_id]
 
+    def pop_updates(self) -> list[FinetuneUpdate]:
+        """What jobs did since the last call, oldest first."""
+        updates, self._updates = self._updates, []
+        return updates
+
+    @staticmethod
+    def _update(job: FinetuneJobState, kind: str, message: str | None) -> FinetuneUpdate:
+        return FinetuneUpdate(job.job_id, kind, job.step_index, job.num_steps, None, None,
+                              job.num_forward_tokens, message)
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def trainer_state(self, job_id: str) -> TrainerState:
+        """The data position of a job between two optimizer steps (ValueError mid-step)."""
+        job = self.jobs[job_id]
+        if job.status == FinetuneJobStatus.FAILED:
+            raise ValueError(f"fine-tuning job {job_id} failed; it has no state to checkpoint")
+        if not job.at_step_boundary:
+            raise ValueError(f"fine-tuning job {job_id} is inside optimizer step "
+                             f"{job.step_index + 1}: checkpoint at a step boundary (after a "
+                             "'step' update)")
+        return TrainerState(
+            job_id=job.job_id, step=job.step_index, num_steps=job.num_steps,
+            num_sequences_started=job.num_sequences_started, losses=list(job.losses),
+            grad_norms=list(job.grad_norms), num_forward_tokens=job.num_forward_tokens,
+            num_backward_tokens=job.num_backward_tokens, data_sha256=job.fingerprint(),
+            format_version=FORMAT_VERSION)
+
+    @staticmethod
+    def restore(job: FinetuneJobState, state: TrainerState) -> None:
+        """Set a new (not yet added) job to continue where `state` stopped; ValueError when the
+        checkpoint belongs to other data or another step plan."""
+        if state.num_steps != job.num_steps:
+            raise ValueError(f"the checkpoint's job plans {state.num_steps} optimizer steps, this "
+                             f"job {job.num_steps}: resume with the same data, batch_size and "
+                             "n_epochs")
+        if state.data_sha256 != job.fingerprint():
+            raise ValueError("the checkpoint was trained on other examples or another step order "
+                             "(data, max_seq_len, batch_size, n_epochs, shuffle and seed must "
+                             "match)")
+        expected = sum(len(step) for step in job.steps[:state.step])
+        if state.num_sequences_started != expected:
+            raise ValueError(f"the checkpoint started {state.num_sequences_started} sequences in "
+                             f"{state.step} steps; this job's steps hold {expected}")
+        job.step_index = state.step
+        job.num_sequences_started = state.num_sequences_started
+        job.losses = list(state.losses)
+        job.grad_norms = list(state.grad_norms)
+        job.num_forward_tokens = state.num_forward_tokens
+        job.num_backward_tokens = state.num_backward_tokens

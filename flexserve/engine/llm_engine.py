@@ -8,15 +8,22 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flexserve.config import EngineConfig
+from flexserve.config import EngineConfig, flexserve_home
 from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager
 from flexserve.engine.engine_core import EngineCore, Executor, LoRAExecutor, StepStats
 from flexserve.engine.finetune_scheduler import (
     FinetuneJobState,
     FinetuneJobStatus,
+    FinetuneUpdate,
     TrainingSequence,
 )
 from flexserve.engine.input_processor import InputProcessor, Prompt
+from flexserve.engine.latency_model import (
+    LatencyModel,
+    OnlineLatencyModel,
+    load_matching_profile,
+    profile_path,
+)
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.output_processor import OutputProcessor
 from flexserve.engine.request import Request, RequestStatus
@@ -40,6 +47,7 @@ class ModelInfo:
     device: str  # e.g. "cuda:0" or "cpu"
     dtype: str  # e.g. "bfloat16"
     num_layers: int = 0  # decoder layers (fine-tuning's backward walks them top-down)
+    device_name: str = ""  # e.g. "NVIDIA H200" or "cpu" (latency profiles are per device)
 
 
 @dataclass(slots=True)
@@ -53,6 +61,7 @@ class PreparedRequest:
     max_tokens: int  # resolved generation limit
     arrival_time: float  # time.monotonic() at arrival
     lora_name: str | None = None  # adapter to use (resolved when enqueued); None: base model
+    tenant: str = "default"  # the fair-share account it is charged to (the request's `user`)
 
 
 class LLMEngine:
@@ -78,6 +87,8 @@ class LLMEngine:
             config.scheduler, config.cache, info.num_blocks, info.max_model_len, config.lora,
             num_layers=info.num_layers,
             max_finetune_len=max_finetune_len,
+            coserve_config=config.coserve,
+            latency_model=OnlineLatencyModel(self._load_latency_profile(config, info)),
         )
         self.core = EngineCore(self.scheduler, executor)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
@@ -94,6 +105,24 @@ class LLMEngine:
                     self.add_lora(name, path)
                 except ValueError as e:
                     raise ValueError(f"LoRA adapter {name}={path}: {e}") from e
+
+    @staticmethod
+    def _load_latency_profile(config: EngineConfig, info: ModelInfo) -> LatencyModel | None:
+        """The `flexserve profile` result for this device, model and dtype, if one exists."""
+        path = config.coserve.latency_profile
+        if path is not None:
+            model = LatencyModel.load(path)
+        else:
+            model = load_matching_profile(flexserve_home(), info.device_name, info.name,
+                                          info.dtype)
+            path = profile_path(flexserve_home(), info.device_name, info.name, info.dtype)
+        if model is None:
+            logger.info("no latency profile at %s: fine-tuning windows start small and grow "
+                        "from measured iterations (run `flexserve profile` to calibrate)", path)
+        else:
+            logger.info("latency profile %s (held-out median error %s)", path,
+                        model.metadata.get("median_rel_error", "unknown"))
+        return model
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -116,6 +145,7 @@ class LLMEngine:
         prompt_text: str | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        tenant: str = "default",
     ) -> PreparedRequest:
         """Tokenize and validate a prompt; raises ValueError on bad input.
 
@@ -131,6 +161,7 @@ class LLMEngine:
             max_tokens=self.input_processor.resolve_max_tokens(len(token_ids), params),
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             lora_name=lora_name,
+            tenant=tenant,
         )
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
@@ -150,7 +181,7 @@ class LLMEngine:
             Request(
                 child_id, prepared.prompt_token_ids, params, eos, prepared.max_tokens,
                 prepared.arrival_time, None if params.seed is None else params.seed + i,
-                lora_request,
+                lora_request, prepared.tenant,
             )
             for i, child_id in enumerate(child_ids)
         ]
@@ -237,11 +268,20 @@ class LLMEngine:
     # ---------------------------------------------------------------------------- fine-tuning
     def add_finetune_job(
         self, data: Any, hyperparameters: Any, job_id: str | None = None,
-        init_adapter_path: str | None = None,
+        init_adapter_path: str | None = None, resume_from: str | None = None,
+        tenant: str = "default",
     ) -> FinetuneJobState:
         """Start a LoRA fine-tuning job on tokenized `data` (`flexserve.finetune.TrainingData`)
         with `Hyperparameters`; its windows ride in the following steps. ValueError when LoRA
-        is off, no slot is free, or an example does not fit max_finetune_len."""
+        is off, no slot is free, or an example does not fit max_finetune_len.
+
+        `resume_from`: a checkpoint directory (`save_finetune_checkpoint`) of the same job (same
+        data, step plan, LoRA shape and optimizer settings, else ValueError); the job continues
+        at the checkpoint's step with its adapter, AdamW state, sequence ids, losses and counters
+        (it then replaces `init_adapter_path`). `tenant`: the fair-share account of its windows.
+        A step's sequences are packed into bins of at most max_num_batched_tokens tokens.
+        """
+        from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
 
         adapters = self._adapters()
@@ -249,31 +289,40 @@ class LLMEngine:
         job_id = job_id or f"ftjob-{next(self._job_ids)}"
         if job_id in self.scheduler.finetune.jobs:
             raise ValueError(f"fine-tuning job {job_id!r} exists already")
+        trainer_state = None if resume_from is None else read_trainer_state(resume_from)
         seed = hp.seed if hp.seed is not None else 0
         steps = plan_training_steps(len(data.examples), hp.batch_size, hp.n_epochs, hp.shuffle,
                                     seed)
+        job = FinetuneJobState(
+            job_id, [TrainingSequence(e.input_ids, e.loss_mask) for e in data.examples],
+            [list(step.example_indices) for step in steps], -1, tenant=tenant,
+            pack_capacity=self.config.scheduler.max_num_batched_tokens)
+        if trainer_state is not None:
+            self.scheduler.finetune.restore(job, trainer_state)
         owner = f"finetune:{job_id}"
         lora_request = LoRARequest(owner, next(self._lora_ids), "<fine-tuning job>")
         slot = adapters.reserve_slot(owner, lora_request)
         if slot is None:
             raise ValueError("every LoRA slot is pinned by running requests; retry when they "
                              "finish or raise max_loras")
-        job = FinetuneJobState(
-            job_id, [TrainingSequence(e.input_ids, e.loss_mask) for e in data.examples],
-            [list(step.example_indices) for step in steps], slot)
+        job.lora_slot = slot
         try:
             self.scheduler.finetune.add_job(job)
             self.executor.add_finetune_job(
                 job_id=job_id, lora_slot=slot, hyperparameters=hp, num_training_steps=len(steps),
-                init_adapter_path=init_adapter_path, seed=seed)
+                init_adapter_path=init_adapter_path, seed=seed, resume_from=resume_from)
         except Exception:
             self.scheduler.finetune.remove_job(job_id)
             adapters.release_slot(owner)
             raise
         job.events.extend(event.message for event in data.events)
         job.events.append(f"Job started: {len(data.examples)} examples, {len(steps)} steps.")
-        logger.info("fine-tuning job %s: %d examples, %d steps, LoRA slot %d", job_id,
-                    len(data.examples), len(steps), slot)
+        if trainer_state is not None:
+            job.events.append(f"Resumed from a checkpoint after step {job.step_index}.")
+        logger.info("fine-tuning job %s: %d examples, %d steps, LoRA slot %d%s", job_id,
+                    len(data.examples), len(steps), slot,
+                    "" if resume_from is None else f", resumed at step {job.step_index}")
+        self._release_finished_jobs()  # a checkpoint of the last step has nothing left to run
         return job
 
     def cancel_finetune_job(self, job_id: str) -> FinetuneJobState:
@@ -295,6 +344,22 @@ class LLMEngine:
         """The job's adapter as it is now, in PEFT format."""
         self.get_finetune_job(job_id)
         self.executor.save_finetune_adapter(job_id, path)
+
+    def save_finetune_checkpoint(self, job_id: str, directory: str) -> None:
+        """Write the job's checkpoint into `directory` atomically (`flexserve.finetune.
+        checkpoint`): its adapter in PEFT format (fp32), its AdamW state and its data position.
+        Only between optimizer steps, e.g. right after a "step" update of
+        `pop_finetune_updates` (ValueError mid-step, and for a failed job)."""
+        self.get_finetune_job(job_id)
+        state = self.scheduler.finetune.trainer_state(job_id)
+        self.executor.save_finetune_checkpoint(job_id, directory, state.to_json())
+
+    def pop_finetune_updates(self) -> list[FinetuneUpdate]:
+        """What fine-tuning jobs did since the last call, oldest first (engine thread, after a
+        step): a "step" update per optimizer step, then "succeeded", or "failed"/"cancelled".
+        At a "step" update the job is at a step boundary, so `save_finetune_checkpoint` may be
+        called right then, before the next `step()`."""
+        return self.scheduler.finetune.pop_updates()
 
     def has_finetune_work(self) -> bool:
         return self.scheduler.finetune.has_work()

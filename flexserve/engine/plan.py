@@ -91,6 +91,9 @@ class BatchPlan:
     backward_windows: list[BackwardWindow] = field(default_factory=list)
     optimizer_steps: list[str] = field(default_factory=list)  # job ids
     finished_finetune_sequences: list[tuple[str, int]] = field(default_factory=list)  # drop state
+    # spatial sharing: the fine-tuning windows run as their own forward on a second CUDA stream,
+    # concurrently with the inference rows, instead of as rows of the same forward
+    finetune_concurrent: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -39,7 +39,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "max_tokens", "output_token_ids", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "seed", "first_scheduled_time", "lora_request",
+        "seed", "first_scheduled_time", "lora_request", "tenant",
     )
 
     def __init__(
@@ -52,6 +52,7 @@ class Request:
         arrival_time: float | None = None,
         seed: int | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str = "default",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -70,6 +71,7 @@ class Request:
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, in order
         self.first_scheduled_time: float | None = None
         self.lora_request = lora_request  # the adapter its tokens use; None: the base model
+        self.tenant = tenant  # who is served (fair scheduling charges its virtual token counter)
 
     @property
     def num_tokens(self) -> int:

@@ -16,17 +16,24 @@ under steady traffic on the resident adapters, it claims one of them (the one wi
 running requests): later arrivals for the claimed adapter wait too, so its slot drains and passes
 to the skipped request. Skipping applies only to slots; a request that does not fit in free KV
 blocks still blocks everyone behind it, as before.
+
+Waiting requests are admitted tenant by tenant with the Virtual Token Counter (FlexLLM appendix C):
+the earliest request of the least-served tenant goes first, so with one tenant this is FCFS. After
+the inference rows, `HybridTokenScheduler` adds the fine-tuning work the sharing policy and the
+latency model allow (FlexLLM 6.2).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from flexserve.config import CacheConfig, LoRAConfig, SchedulerConfig
+from flexserve.config import CacheConfig, CoserveConfig, LoRAConfig, SchedulerConfig
 from flexserve.engine.adapter_manager import AdapterManager
 from flexserve.engine.finetune_scheduler import FinetuneScheduler
+from flexserve.engine.hybrid_scheduler import HybridTokenScheduler, StepMode
+from flexserve.engine.latency_model import OnlineLatencyModel
 from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult
 from flexserve.engine.request import Request, RequestStatus
@@ -44,6 +51,9 @@ class Scheduler:
         lora_config: LoRAConfig | None = None,
         num_layers: int = 0,
         max_finetune_len: int | None = None,
+        coserve_config: CoserveConfig | None = None,
+        latency_model: OnlineLatencyModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if type(max_model_len) is not int or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -66,6 +76,12 @@ class Scheduler:
         # Fine-tuning windows fill the budget the inference rows leave (FlexLLM 6.1).
         self.finetune = FinetuneScheduler(
             self.kv_cache_manager, num_layers, max_finetune_len or max_model_len)
+        # Sizes the fine-tuning windows (latency model, sharing policy) and keeps the fairness
+        # counters of tenants and jobs (FlexLLM 6.2, appendices A and C).
+        self.clock = clock
+        self.hybrid = HybridTokenScheduler(
+            coserve_config or CoserveConfig(slo_tpot_ms=None), scheduler_config, num_layers,
+            latency_model, clock)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -100,6 +116,8 @@ class Scheduler:
             self.adapter_manager.add_request(request.request_id, request.lora_int_id)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.hybrid.request_queued(request)
+        self.hybrid.num_arrivals += 1
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """End requests from outside (abort, stop string): frees their blocks now.
@@ -117,6 +135,7 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.WAITING:
                 self.waiting.remove(request)
+                self.hybrid.request_dequeued(request)
             else:
                 ended.add(request_id)
             request.status = status
@@ -162,8 +181,24 @@ class Scheduler:
         """
         plan = BatchPlan()
         budget = self.scheduler_config.max_num_batched_tokens
-        kv = self.kv_cache_manager
+        mode = self.hybrid.mode(bool(self.running or self.waiting), self.finetune.has_work())
+        if mode != StepMode.FINETUNE:  # a temporal-sharing phase holds the inference rows back
+            budget = self._schedule_running(plan, budget)
+            # Admitting while running requests are being preempted would only thrash (vLLM
+            # does the same).
+            if not plan.preempted_request_ids:
+                budget = self._admit_waiting(plan, budget)
+        self.hybrid.schedule_finetune(plan, self.finetune, mode, self.waiting)
+        self.hybrid.finish_step(plan, len(self.waiting))
+        # An empty plan may never reach the worker, so ended ids wait for one that has rows.
+        if not plan.is_empty:
+            plan.finished_request_ids = self.finished_request_ids
+            self.finished_request_ids = []
+        return plan
 
+    def _schedule_running(self, plan: BatchPlan, budget: int) -> int:
+        """Rows for the running requests, in admission order; preempts when blocks run out."""
+        kv = self.kv_cache_manager
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -182,62 +217,70 @@ class Scheduler:
             self._add_row(plan, request, num_new_tokens)
             budget -= num_new_tokens
             index += 1
+        return budget
 
-        # Admitting while running requests are being preempted would only thrash (vLLM does the
-        # same). Admission is only reached once every running request got all its known tokens
-        # (a partial chunk uses up the budget), so no blocks are owed to half-done prompts and
-        # checking the whole prompt against the free blocks is exact.
-        if not plan.preempted_request_ids:
-            adapters = self.adapter_manager
-            claimed: set[int] = set()  # adapters held back so a skipped request gets their slot
-            index = 0
-            while (
-                index < len(self.waiting)
-                and budget > 0
-                and len(self.running) < self.scheduler_config.max_num_seqs
-            ):
-                request = self.waiting[index]
-                lora_int_id = request.lora_int_id
-                if lora_int_id and (lora_int_id in claimed or not adapters.can_pin(lora_int_id)):
-                    if lora_int_id not in claimed:
-                        victim = adapters.drain_candidate(claimed)
-                        if victim is not None:
-                            claimed.add(victim)
-                    index += 1  # no slot for its adapter: let the requests behind it go first
-                    continue
-                if request.sampling_params.prompt_logprobs is None:
-                    hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-                else:  # prompt logprobs need every prompt position computed, not served from cache
-                    hit_blocks, num_hit_tokens = [], 0
-                num_needed = kv.get_num_blocks_to_allocate(request, request.num_tokens, hit_blocks)
-                if num_needed > kv.num_free_blocks:
-                    break  # FCFS for KV blocks: nobody overtakes this request
-                num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
-                if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
-                    break
-                del self.waiting[index]
-                if lora_int_id:
-                    slot, needs_load = adapters.pin(request.request_id, lora_int_id)
-                    if needs_load:
-                        plan.lora_slot_loads[slot] = request.lora_request
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit_tokens
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.monotonic()
-                    request.num_cached_tokens = num_hit_tokens
-                if kv.enable_prefix_caching:
-                    plan.num_new_prefix_cache_query_tokens += request.num_tokens
-                    plan.num_new_prefix_cache_hit_tokens += num_hit_tokens
-                self._add_row(plan, request, num_new_tokens)
-                budget -= num_new_tokens
-        if self.finetune.has_work() and budget > 0:
-            budget = self.finetune.schedule(plan, budget)
-        # An empty plan may never reach the worker, so ended ids wait for one that has rows.
-        if not plan.is_empty:
-            plan.finished_request_ids = self.finished_request_ids
-            self.finished_request_ids = []
-        return plan
+    def _admit_waiting(self, plan: BatchPlan, budget: int) -> int:
+        """Admit waiting requests, the least-served tenant's earliest first (VTC, algorithm 4,
+        lines 16-20; with one tenant this is FCFS).
+
+        Admission is only reached once every running request got all its known tokens (a
+        partial chunk uses up the budget), so no blocks are owed to half-done prompts and
+        checking the whole prompt against the free blocks is exact.
+        """
+        kv = self.kv_cache_manager
+        adapters = self.adapter_manager
+        claimed: set[int] = set()  # adapters held back so a skipped request gets their slot
+        queues: dict[str, deque[Request]] = {}  # tenant -> its waiting requests, in order
+        for request in self.waiting:
+            queues.setdefault(request.tenant, deque()).append(request)
+        while (
+            queues
+            and budget > 0
+            and len(self.running) < self.scheduler_config.max_num_seqs
+        ):
+            tenant = next(iter(queues)) if len(queues) == 1 else self.hybrid.pick_tenant(queues)
+            queue = queues[tenant]
+            request = queue.popleft()
+            if not queue:
+                del queues[tenant]
+            lora_int_id = request.lora_int_id
+            if lora_int_id and (lora_int_id in claimed or not adapters.can_pin(lora_int_id)):
+                if lora_int_id not in claimed:
+                    victim = adapters.drain_candidate(claimed)
+                    if victim is not None:
+                        claimed.add(victim)
+                continue  # no slot for its adapter: let the requests behind it go first
+            if request.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            else:  # prompt logprobs need every prompt position computed, not served from cache
+                hit_blocks, num_hit_tokens = [], 0
+            num_needed = kv.get_num_blocks_to_allocate(request, request.num_tokens, hit_blocks)
+            if num_needed > kv.num_free_blocks:
+                break  # nobody overtakes this request for KV blocks
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if kv.allocate_slots(request, num_new_tokens, hit_blocks) is None:
+                break
+            self.waiting.remove(request)
+            if lora_int_id:
+                slot, needs_load = adapters.pin(request.request_id, lora_int_id)
+                if needs_load:
+                    plan.lora_slot_loads[slot] = request.lora_request
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            first_admission = request.first_scheduled_time is None
+            if first_admission:
+                request.first_scheduled_time = self.clock()
+                request.num_cached_tokens = num_hit_tokens
+            # Prompt tokens are charged once; a recompute after preemption is not new service.
+            self.hybrid.request_admitted(
+                request, request.num_prompt_tokens if first_admission else 0)
+            if kv.enable_prefix_caching:
+                plan.num_new_prefix_cache_query_tokens += request.num_tokens
+                plan.num_new_prefix_cache_hit_tokens += num_hit_tokens
+            self._add_row(plan, request, num_new_tokens)
+            budget -= num_new_tokens
+        return budget
 
     def update(self, plan: BatchPlan, result: StepResult) -> list[Request]:
         """Append sampled tokens and check stops; returns the requests that got a token, in order.
@@ -258,6 +301,7 @@ class Scheduler:
                 continue
             token_id = result.sampled_token_ids[row.request_id]
             request.append_output_token_id(token_id)
+            self.hybrid.tokens_generated(request)
             self._check_stop(request, token_id)
             if request.status.finished:
                 self._free_request(request)
@@ -268,6 +312,10 @@ class Scheduler:
         self.finetune.update(plan, result.finetune_losses, result.grad_norms,
                              result.finetune_errors)
         return updated
+
+    def observe_iteration(self, plan: BatchPlan, seconds: float) -> None:
+        """The measured time of an executed plan; corrects the latency model online."""
+        self.hybrid.observe(plan, seconds)
 
     # ------------------------------------------------------------------ state for the engine
 
@@ -338,6 +386,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
+        self.hybrid.request_queued(request)
 
     def _check_stop(self, request: Request, token_id: int) -> None:
         params = request.sampling_params
@@ -356,6 +405,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
 
     def _free_request(self, request: Request) -> None:
+        self.hybrid.num_completions += 1
         self.kv_cache_manager.free(request)
         if self.adapter_manager is not None:
             self.adapter_manager.finish_request(request.request_id)

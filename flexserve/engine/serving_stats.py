@@ -28,6 +28,9 @@ class FinishedRequestStats:
     num_prompt_tokens: int  # prompt length (counted once, whatever n is)
     num_generation_tokens: int  # tokens generated over all completions
     aborted: bool  # ended by an abort rather than by its own stop condition
+    ttft: float | None = None  # seconds from arrival to the first token; None if none came
+    tpot: float | None = None  # seconds per output token after the first, of its slowest
+    # completion; None when no completion got two tokens
 
 
 @dataclass(slots=True)
@@ -51,6 +54,10 @@ class IterationStats:
     lora_requests_running: dict[str, int] | None = None
     num_loras_gpu: int = 0  # adapters loaded in device slots
     num_loras_cpu: int = 0  # adapters held in host memory
+    # fine-tuning (empty when the step had none): job id -> tokens of its windows this step
+    finetune_forward_tokens: dict[str, int] = field(default_factory=dict)
+    finetune_backward_tokens: dict[str, int] = field(default_factory=dict)  # layer-window tokens
+    latency_model_error_ratio: float | None = None  # rolling |predicted - measured| / measured
 
 
 class StatLogger(Protocol):
@@ -134,6 +141,13 @@ class RequestTracker:
         if self.first_scheduled_time is not None:
             queue_time = max(self.first_scheduled_time - self.arrival_time, 0.0)
         reasons = [reason or "abort" for reason in self.finish_reasons]
+        ttft = tpot = None
+        if self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival_time
+            tpots = [(last - self.first_token_time) / (n - 1)
+                     for n, last in zip(self.num_tokens, self.last_token_times)
+                     if n > 1 and last is not None]
+            tpot = max(tpots, default=None)
         return FinishedRequestStats(
             finish_reasons=reasons,
             e2e_latency=self.last_output_time - self.arrival_time,
@@ -141,6 +155,8 @@ class RequestTracker:
             num_prompt_tokens=len(self.prepared.prompt_token_ids),
             num_generation_tokens=sum(self.num_tokens),
             aborted="abort" in reasons,
+            ttft=ttft,
+            tpot=tpot,
         )
 
 
@@ -159,6 +175,7 @@ class LoggingStatLogger:
         self._num_generation_tokens = 0
         self._num_preemptions = 0
         self._num_preemptions_total = 0
+        self._num_finetune_tokens = 0
 
     def record(self, stats: IterationStats) -> None:
         previous = self._previous
@@ -173,22 +190,29 @@ class LoggingStatLogger:
         self._num_generation_tokens += stats.num_generation_tokens
         self._num_preemptions += stats.num_preemptions
         self._num_preemptions_total += stats.num_preemptions
+        self._num_finetune_tokens += sum(stats.finetune_forward_tokens.values())
         elapsed = stats.now - self._window_start
         if elapsed < self.interval_s:
             return
         active = (stats.num_running or stats.num_waiting or self._num_prompt_tokens
-                  or self._num_generation_tokens or self._num_preemptions)
+                  or self._num_generation_tokens or self._num_preemptions
+                  or self._num_finetune_tokens)
         if active:
+            finetune = ""
+            if self._num_finetune_tokens:
+                finetune = (f", fine-tuning throughput: "
+                            f"{self._num_finetune_tokens / elapsed:.1f} tok/s")
             self.log.info(
                 "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, "
                 "prompt throughput: %.1f tok/s, generation throughput: %.1f tok/s, "
-                "preemptions: %d (total %d), prefix cache hit rate: %.1f%%",
+                "preemptions: %d (total %d), prefix cache hit rate: %.1f%%%s",
                 stats.num_running, stats.num_waiting, 100.0 * stats.kv_cache_usage,
                 self._num_prompt_tokens / elapsed, self._num_generation_tokens / elapsed,
                 self._num_preemptions, self._num_preemptions_total,
-                100.0 * stats.prefix_cache_hit_rate,
+                100.0 * stats.prefix_cache_hit_rate, finetune,
             )
         self._window_start = stats.now
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_preemptions = 0
+        self._num_finetune_tokens = 0

@@ -22,11 +22,13 @@ logger = logging.getLogger("flexserve.bench")
 
 
 def add_bench_parser(commands: Any) -> None:
-    """Register `flexserve bench {throughput,latency}` on the top-level subparsers."""
+    """Register `flexserve bench {throughput,latency,serve}` on the top-level subparsers."""
+    from flexserve.entrypoints.bench_serve import add_bench_serve_parser
     from flexserve.entrypoints.cli import add_engine_arguments
 
-    bench = commands.add_parser("bench", help="offline throughput and latency benchmarks",
-                                description="Offline benchmarks (vLLM's benchmark semantics).")
+    bench = commands.add_parser("bench", help="offline (throughput, latency) and online (serve) "
+                                "benchmarks",
+                                description="Benchmarks (vLLM's benchmark semantics).")
     kinds = bench.add_subparsers(dest="bench_kind", required=True, metavar="KIND")
     throughput = kinds.add_parser("throughput", help="requests/s and tokens/s of a batch run")
     throughput.add_argument("--num-prompts", type=int, default=256, help="[%(default)s]")
@@ -46,6 +48,7 @@ def add_bench_parser(commands: Any) -> None:
                             choices=("critical", "error", "warning", "info", "debug"))
         add_engine_arguments(parser)
         parser.set_defaults(handler=handler, command="bench")
+    add_bench_serve_parser(kinds)  # a client of a running server: no engine options
 
 
 def _check_positive(**values: int) -> None:

@@ -69,6 +69,14 @@ class FinetuneJob:
         self._engine.save_finetune_adapter(self.id, path)
         return path
 
+    def checkpoint(self, path: str) -> str:
+        """Write a checkpoint to resume from (`LLM.finetune(..., resume_from=path)`): the adapter
+        as `save` writes it, plus the optimizer state and the data position, atomically. Only
+        between optimizer steps: after `wait()`, or when `losses` just grew (ValueError
+        mid-step)."""
+        self._engine.save_finetune_checkpoint(self.id, path)
+        return path
+
     def __repr__(self) -> str:
         state = self._state
         return (f"FinetuneJob(id={self.id!r}, status={state.status.value!r}, "
@@ -81,6 +89,7 @@ def start_finetune_job(
     lora: Mapping[str, Any] | None = None,
     hyperparameters: Hyperparameters | Mapping[str, Any] | None = None,
     job_id: str | None = None,
+    resume_from: str | None = None,
 ) -> FinetuneJob:
     """Validate and tokenize, then register the job with the engine (see `LLM.finetune`)."""
     if isinstance(hyperparameters, Hyperparameters):
@@ -105,10 +114,13 @@ def start_finetune_job(
     max_len = engine.config.finetune.max_finetune_len or engine.info.max_model_len
     data = load_training_data(dataset, engine.tokenizer, min(hp.max_seq_len, max_len))
     init = hp.lora.init_adapter
+    if resume_from is not None:
+        init = None  # the checkpoint's adapter replaces the initial one
     if init is not None and not os.path.isdir(init):
         names = {r.lora_name: r.lora_path for r in engine.list_loras()}
         if init not in names:
             raise ValueError(f"init_adapter {init!r} is neither a directory nor a loaded adapter")
         init = names[init]
-    state = engine.add_finetune_job(data, hp, job_id=job_id, init_adapter_path=init)
+    state = engine.add_finetune_job(data, hp, job_id=job_id, init_adapter_path=init,
+                                    resume_from=None if resume_from is None else str(resume_from))
     return FinetuneJob(engine, state.job_id)

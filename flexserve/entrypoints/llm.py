@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from flexserve.config import (
     DEFAULT_MODEL,
     CacheConfig,
+    CoserveConfig,
     EngineConfig,
     FinetuneConfig,
     LoRAConfig,
@@ -30,16 +31,19 @@ LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching.
 
-    Keyword arguments are the fields of `ModelConfig`, `CacheConfig`, `SchedulerConfig` and
-    `LoRAConfig` (e.g. `dtype`, `max_model_len`, `max_num_batched_tokens`, `num_blocks`,
-    `kv_cache_gib`, `max_loras`, `max_lora_rank`); `enable_lora=True` or any LoRA field turns
-    LoRA on, after which `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters.
+    Keyword arguments are the fields of `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
+    `LoRAConfig`, `FinetuneConfig` and `CoserveConfig` (e.g. `dtype`, `max_model_len`,
+    `max_num_batched_tokens`, `num_blocks`, `kv_cache_gib`, `max_loras`, `max_lora_rank`,
+    `policy`, `slo_tpot_ms`); `enable_lora=True` or any LoRA field turns LoRA on, after which
+    `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters. Offline there is no
+    latency SLO unless `slo_tpot_ms` is given: fine-tuning windows then fill the token budget.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool = False,
                  **kwargs: Any) -> None:
         sections = {}
-        for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, FinetuneConfig):
+        for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, FinetuneConfig,
+                    CoserveConfig):
             names = set(cls.__dataclass_fields__)
             sections[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
@@ -53,6 +57,7 @@ class LLM:
             scheduler=SchedulerConfig(**sections[SchedulerConfig]),
             lora=lora,
             finetune=FinetuneConfig(**sections[FinetuneConfig]),
+            coserve=CoserveConfig(**{"slo_tpot_ms": None, **sections[CoserveConfig]}),
         )
         self.engine = LLMEngine.from_config(config)
 
@@ -69,6 +74,7 @@ class LLM:
         lora: dict[str, Any] | None = None,
         hyperparameters: Any = None,
         job_id: str | None = None,
+        resume_from: str | None = None,
     ) -> FinetuneJob:
         """Start token-level LoRA fine-tuning on this model (needs enable_lora=True).
 
@@ -78,8 +84,11 @@ class LLM:
         (batch_size, learning_rate, lr_scheduler, warmup_steps, weight_decay, max_grad_norm,
         n_epochs, shuffle, seed, max_seq_len). Returns at once with a handle; the job trains in
         the engine's steps, alongside any `generate` call (`handle.wait()` to finish it).
+        `resume_from`: a directory written by `handle.checkpoint(...)` for the same dataset and
+        settings; the job continues from there exactly.
         """
-        return start_finetune_job(self.engine, dataset, lora, hyperparameters, job_id)
+        return start_finetune_job(self.engine, dataset, lora, hyperparameters, job_id,
+                                  resume_from)
 
     def get_tokenizer(self) -> Any | None:
         return self.engine.tokenizer

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.engine.fairness import resolve_tenant
 from flexserve.engine.llm_engine import PreparedRequest
 from flexserve.entrypoints.errors import (
     APIError,
@@ -102,10 +103,12 @@ class OpenAIServing:
         max_tokens_param: str,
         prompt_text: str | None = None,
         lora_name: str | None = None,
+        tenant: str = "default",
     ) -> PreparedRequest:
         """Tokenize and validate one prompt; prompt plus max_tokens must fit the context."""
         try:
-            prepared = self.engine.prepare(request_id, prompt, params, prompt_text, lora_name)
+            prepared = self.engine.prepare(request_id, prompt, params, prompt_text, lora_name,
+                                           tenant)
         except ValueError as e:
             code = "context_length_exceeded" if "context length" in str(e) else None
             raise bad_request(str(e), param=prompt_param, code=code) from e
@@ -136,6 +139,12 @@ class OpenAIServing:
         """The k best entries of a position by rank, as (token id, text, logprob)."""
         best = sorted(entry.items(), key=lambda item: item[1].rank)[:k]
         return [(token_id, self.token_text(token_id, entry), lp.logprob) for token_id, lp in best]
+
+
+def tenant_of(user: str | None, raw_request: Request) -> str:
+    """The fair-share account of a request: its `user` field, else the API key's tenant (set on
+    `request.state` by the auth layer), else the default tenant."""
+    return resolve_tenant(user, getattr(raw_request.state, "tenant", None))
 
 
 def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:

@@ -38,6 +38,7 @@ from flexserve.entrypoints.serving_base import (
     merge_async_iterators,
     sse,
     sse_error,
+    tenant_of,
     usage_of,
 )
 from flexserve.outputs import PositionLogprobs, RequestOutput
@@ -79,7 +80,8 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(str(e), param="messages") from e
         request_id = random_id("chatcmpl")
         prepared = self.prepare(request_id, token_ids, params, "messages", max_tokens_param,
-                                prompt_text=text, lora_name=lora_name)
+                                prompt_text=text, lora_name=lora_name,
+                                tenant=tenant_of(request.user, raw_request))
         generator = self.engine.generate(prepared)
         created = now_s()
         if request.stream:

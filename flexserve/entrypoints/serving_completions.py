@@ -26,6 +26,7 @@ from flexserve.entrypoints.serving_base import (
     merge_async_iterators,
     sse,
     sse_error,
+    tenant_of,
     usage_of,
 )
 from flexserve.outputs import PositionLogprobs, RequestOutput
@@ -49,9 +50,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=logprobs if echo and logprobs is not None else None,
         )
         request_id = random_id("cmpl")
+        tenant = tenant_of(request.user, raw_request)
         prepared = [
             self.prepare(f"{request_id}-{i}", prompt, params, "prompt", "max_tokens",
-                         lora_name=lora_name)
+                         lora_name=lora_name, tenant=tenant)
             for i, prompt in enumerate(prompts)
         ]
         generators = [self.engine.generate(p) for p in prepared]

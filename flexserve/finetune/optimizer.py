@@ -157,3 +157,65 @@ class AdapterOptimizer:
         self._adamw.load_state_dict(state["adamw"])
         self.num_completed_steps = step
         self.zero_grad()
+
+    def settings(self) -> dict[str, Any]:
+        """The values that decide every update (a resume must use the same)."""
+        group = self._adamw.param_groups[0]
+        return {"learning_rate": self.learning_rate, "lr_scheduler": self.lr_scheduler,
+                "warmup_steps": self.warmup_steps, "num_training_steps": self.num_training_steps,
+                "weight_decay": float(group["weight_decay"]), "max_grad_norm": self.max_grad_norm,
+                "betas": list(group["betas"]), "eps": float(group["eps"])}
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """`state_dict()` without the masters (a checkpoint keeps them in the adapter file), as
+        flat CPU tensors ("<name>.exp_avg", "<name>.exp_avg_sq") and JSON values (the step
+        count, each tensor's AdamW step, `settings()`)."""
+        tensors: dict[str, torch.Tensor] = {}
+        adamw_steps: dict[str, int] = {}
+        for name, master in self.masters.items():
+            state = self._adamw.state.get(master)
+            if not state:  # no update yet: AdamW creates the moments lazily
+                continue
+            tensors[f"{name}.exp_avg"] = state["exp_avg"].detach().to("cpu", copy=True)
+            tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().to("cpu", copy=True)
+            adamw_steps[name] = int(state["step"])
+        config = {"num_completed_steps": self.num_completed_steps, "adamw_steps": adamw_steps,
+                  "settings": self.settings()}
+        return tensors, config
+
+    def load_checkpoint_state(self, tensors: Mapping[str, torch.Tensor],
+                              config: Mapping[str, Any]) -> None:
+        """Restore `checkpoint_state()`'s output onto the current masters (load the adapter's
+        weights first); ValueError when it does not fit these tensors or settings."""
+        settings = config.get("settings")
+        if settings != self.settings():
+            mine = self.settings()
+            differ = sorted(k for k in mine if not isinstance(settings, Mapping)
+                            or settings.get(k) != mine[k])
+            raise ValueError(f"the checkpoint's optimizer settings differ in {differ}: resume "
+                             "with the same hyper-parameters")
+        adamw_steps = config.get("adamw_steps")
+        if not isinstance(adamw_steps, Mapping):
+            raise ValueError("the checkpoint's optimizer config lacks adamw_steps")
+        names = list(self.masters)
+        per_index = {}
+        for index, name in enumerate(names):
+            if name not in adamw_steps:
+                continue
+            moments = [tensors.get(f"{name}.{key}") for key in ("exp_avg", "exp_avg_sq")]
+            if any(m is None for m in moments):
+                raise ValueError(f"the checkpoint lacks the AdamW moments of {name}")
+            if any(m.shape != self.masters[name].shape for m in moments):
+                raise ValueError(f"{name}: the checkpoint's AdamW moments have shape "
+                                 f"{tuple(moments[0].shape)}, the tensor "
+                                 f"{tuple(self.masters[name].shape)}")
+            per_index[index] = {"step": torch.tensor(float(adamw_steps[name])),
+                                "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+        unknown = set(adamw_steps) - set(names)
+        if unknown:
+            raise ValueError(f"the checkpoint has optimizer state for unknown tensors "
+                             f"{sorted(unknown)[:3]}")
+        adamw = self._adamw.state_dict()
+        adamw["state"] = per_index
+        self.load_state_dict({"num_completed_steps": config.get("num_completed_steps"),
+                              "masters": self.masters, "adamw": adamw})

@@ -7,6 +7,8 @@ can live in one process; every metric carries a `model_name` label.
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -17,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from flexserve.engine.serving_stats import IterationStats
+from flexserve.engine.serving_stats import FinishedRequestStats, IterationStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -55,6 +57,9 @@ class PrometheusStatLogger:
         max_num_batched_tokens: int = 2048,
         registry: CollectorRegistry | None = None,
         enable_lora: bool = False,
+        slo_ttft_s: float = 5.0,
+        slo_tpot_s: float = 0.05,
+        slo_window_s: float = 60.0,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
@@ -121,6 +126,34 @@ class PrometheusStatLogger:
         }
         self._request_success_family = request_success
 
+        # Co-serving: SLO attainment of finished requests and the fine-tuning work per iteration.
+        self.slo_s = {"ttft": slo_ttft_s, "tpot": slo_tpot_s}
+        self.slo_window_s = slo_window_s
+        self._slo_window: deque[tuple[float, dict[str, bool]]] = deque()  # (time, slo -> met)
+        attainment = Gauge(
+            "flexserve:slo_attainment",
+            f"Fraction of the requests finished in the last {slo_window_s:g} s that met the SLO "
+            "(ttft: time to first token, tpot: time per output token).",
+            labels + ["slo"], registry=r, multiprocess_mode="mostrecent")
+        met = Counter(
+            "flexserve:requests_slo_met",
+            "Finished requests that met the SLO (ttft, tpot).", labels + ["slo"], registry=r)
+        self._slo_attainment_family = attainment  # children appear with the first finished request
+        self.requests_slo_met = {slo: met.labels(model_name, slo) for slo in self.slo_s}
+        self.finetune_window_tokens = histogram(
+            "flexserve:finetune_window_tokens",
+            "Fine-tuning forward-window tokens in one iteration (iterations with fine-tuning).",
+            iteration_tokens_buckets(max_num_batched_tokens))
+        self._finetune_tokens = Counter(
+            "flexserve:finetune_tokens",
+            "Fine-tuning tokens processed: phase=forward (window tokens), phase=backward "
+            "(layer-window tokens, one per token and layer).",
+            labels + ["job_id", "phase"], registry=r)
+        self.latency_model_error_ratio = gauge(
+            "flexserve:latency_model_error_ratio",
+            "Rolling mean of |predicted - measured| / measured iteration time of the latency "
+            "model that sizes fine-tuning windows.")
+
         # LoRA families exist only when LoRA is enabled: a base-only server exposes none.
         self.lora_requests_running: Gauge | None = None
         self.lora_adapters_loaded: dict[str, Gauge] = {}
@@ -153,6 +186,7 @@ class PrometheusStatLogger:
             self.iteration_tokens.observe(stats.num_batched_tokens)
         if self.lora_requests_running is not None and stats.lora_requests_running is not None:
             self._record_lora(stats)
+        self._record_finetune(stats)
         for ttft in stats.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in stats.inter_token_latencies:
@@ -169,6 +203,38 @@ class PrometheusStatLogger:
             self.e2e_request_latency.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.request_queue_time.observe(finished.queue_time)
+            self._record_slo(stats.now, finished)
+        self._expire_slo_window(stats.now)
+
+    def _record_slo(self, now: float, finished: FinishedRequestStats) -> None:
+        """A request's TTFT and TPOT against the SLOs (a request with one token meets TPOT)."""
+        met = {
+            "ttft": finished.ttft is not None and finished.ttft <= self.slo_s["ttft"],
+            "tpot": finished.tpot is None or finished.tpot <= self.slo_s["tpot"],
+        }
+        for slo, ok in met.items():
+            if ok:
+                self.requests_slo_met[slo].inc()
+        self._slo_window.append((now, met))
+
+    def _expire_slo_window(self, now: float) -> None:
+        window = self._slo_window
+        while window and window[0][0] < now - self.slo_window_s:
+            window.popleft()
+        if window:
+            for slo in self.slo_s:
+                self._slo_attainment_family.labels(self.model_name, slo).set(
+                    sum(met[slo] for _, met in window) / len(window))
+
+    def _record_finetune(self, stats: IterationStats) -> None:
+        if stats.latency_model_error_ratio is not None:
+            self.latency_model_error_ratio.set(stats.latency_model_error_ratio)
+        if stats.finetune_forward_tokens or stats.finetune_backward_tokens:
+            self.finetune_window_tokens.observe(sum(stats.finetune_forward_tokens.values()))
+        for phase, tokens in (("forward", stats.finetune_forward_tokens),
+                              ("backward", stats.finetune_backward_tokens)):
+            for job_id, num_tokens in tokens.items():
+                self._finetune_tokens.labels(self.model_name, job_id, phase).inc(num_tokens)
 
     def _record_lora(self, stats: IterationStats) -> None:
         assert self.lora_requests_running is not None

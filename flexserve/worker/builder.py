@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from flexserve.config import EngineConfig
 from flexserve.engine.llm_engine import ModelInfo
 from flexserve.model.loader import load_tokenizer
@@ -57,6 +59,8 @@ def build_executor(config: EngineConfig) -> tuple[ModelRunner, Any | None, Model
         device=str(runner.device),
         dtype=str(runner.dtype).removeprefix("torch."),
         num_layers=resolved.hf_config.num_hidden_layers,
+        device_name=(torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda"
+                     else "cpu"),
     )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max_model_len %d",

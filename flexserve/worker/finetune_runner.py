@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from flexserve.engine.plan import BackwardWindow, FinetuneSequenceStart, FinetuneWindow
+from flexserve.finetune.checkpoint import (
+    TRAINER_STATE_NAME,
+    commit_directory,
+    write_json,
+    write_optimizer_state,
+)
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.optimizer import AdapterOptimizer
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
@@ -43,6 +50,9 @@ class FinetuneJobSpec:
     num_training_steps: int
     init_adapter: LoRAAdapter | None = None  # start from these weights (else PEFT's init)
     seed: int = 0  # adapter init and dropout masks
+    # resume: (tensors, config) of `AdapterOptimizer.checkpoint_state()` from a checkpoint whose
+    # adapter is `init_adapter`; its rank, alpha and targets must be the hyper-parameters'
+    resume_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +73,12 @@ class _Job:
             adapter = spec.init_adapter
             rank, alpha, rslora = adapter.rank, adapter.lora_alpha, adapter.use_rslora
             targets = adapter.target_modules
+            if spec.resume_state is not None and (
+                    (rank, alpha, set(targets)) != (lora.r, lora.alpha, set(lora.target_modules))):
+                raise ValueError(
+                    f"the checkpoint's adapter (r={rank}, alpha={alpha}, targets "
+                    f"{sorted(targets)}) does not match the job's LoRA settings (r={lora.r}, "
+                    f"alpha={lora.alpha}, targets {sorted(lora.target_modules)})")
             if set(targets) != set(lora.target_modules):
                 logger.info("job %s: init_adapter targets %s (not %s)", spec.job_id,
                             list(targets), lora.target_modules)
@@ -87,6 +103,8 @@ class _Job:
         self.keys = sorted(adapter.weights)
         self.optimizer = AdapterOptimizer.from_hyperparameters(
             params, spec.hyperparameters, spec.num_training_steps)
+        if spec.resume_state is not None:
+            self.optimizer.load_checkpoint_state(*spec.resume_state)
         self.model = model
         self.sequences: dict[int, _Sequence] = {}
         self.write_slot()
@@ -162,6 +180,29 @@ class FinetuneRunner:
     def adapter(self, job_id: str) -> LoRAAdapter:
         return self._job(job_id).adapter()
 
+    def save_checkpoint(self, job_id: str, directory: str, trainer_state: dict[str, Any],
+                        base_model_name_or_path: str | None) -> None:
+        """Write the job's checkpoint atomically (`flexserve.finetune.checkpoint`): the adapter
+        in PEFT format (fp32 masters), the AdamW state, and `trainer_state` (the engine's data
+        position). Only between optimizer steps: ValueError while a sequence holds state."""
+        job = self._job(job_id)
+        if job.sequences:
+            raise ValueError(f"fine-tuning job {job_id} has sequences in flight: checkpoint "
+                             "between optimizer steps")
+        step = trainer_state.get("step")
+        if step != job.optimizer.num_completed_steps:
+            raise ValueError(f"the engine is at step {step}, the optimizer at "
+                             f"{job.optimizer.num_completed_steps}")
+        adapter = job.adapter()
+        tensors, config = job.optimizer.checkpoint_state()
+
+        def write(path: str) -> None:
+            save_peft_adapter(adapter, path, base_model_name_or_path)
+            write_optimizer_state(path, tensors, config)
+            write_json(os.path.join(path, TRAINER_STATE_NAME), trainer_state)
+
+        commit_directory(directory, write)
+
     def _job(self, job_id: str) -> _Job:
         job = self.jobs.get(job_id)
         if job is None:
@@ -218,8 +259,11 @@ class FinetuneRunner:
 
     def window_losses(self, capture: FinetuneCapture, windows: list[FinetuneWindow],
                       losses: dict, errors: dict[str, str]) -> None:
-        index = 0
-        for window in windows:
+        # The capture holds the windows `capture_windows` admitted (errors do not change during
+        # the forward); a job failing below must not shift the later windows' indices.
+        captured = [w for w in windows if w.job_id not in errors
+                    and self._sequence(w.job_id, w.sequence_id) is not None]
+        for index, window in enumerate(captured):
             seq = self._sequence(window.job_id, window.sequence_id)
             if seq is None or window.job_id in errors:
                 continue
@@ -232,7 +276,6 @@ class FinetuneRunner:
                 losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens)
             except (ValueError, RuntimeError) as e:
                 self._fail(window.job_id, e, errors)
-            index += 1
 
     def run_backward(self, windows: list[BackwardWindow], errors: dict[str, str]) -> None:
         for window in windows:

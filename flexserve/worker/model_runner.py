@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from flexserve.engine.plan import (
     StepResult,
     TokenLogprobs,
 )
+from flexserve.finetune.checkpoint import read_optimizer_state
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import set_forward_context
@@ -90,6 +92,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CUDAGraphRunner | None = None
         self.finetune_runner: FinetuneRunner | None = None  # created by the first job
+        self._stream: torch.cuda.Stream | None = None  # fine-tuning's side stream (CUDA)
 
     # ----------------------------------------------------------------------------------- KV cache
     def initialize_kv_cache(self, max_model_len: int) -> int:
@@ -170,61 +173,108 @@ class ModelRunner:
         windows = [w for w in plan.finetune_windows
                    if w.job_id not in errors and self._finetune().has_sequence(w)] \
             if plan.finetune_windows else []
+        cuda = self.device.type == "cuda"
+        side_stream = None
+        if cuda and finetune and (plan.finetune_concurrent or (
+                plan.backward_windows and self.config.coserve.finetune_backward_stream)):
+            side_stream = self._side_stream()
+            side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if side_stream is not None:
+            # The inference forward is launched first and sampled last, so the fine-tuning
+            # work queued on the side stream in between runs concurrently with it.
+            concurrent = plan.finetune_concurrent
+            sample = self._forward(rows, [] if concurrent else windows, result)
+            with torch.cuda.stream(side_stream):
+                if concurrent:  # spatial sharing: fine-tuning is its own forward
+                    self._forward([], windows, result)()
+                # FlexLLM figure 9: backward windows touch only their own sequences' K/V
+                # blocks, activation stores and gradient buffers; adapter weights change only
+                # in the optimizer step, after both streams joined.
+                self._finetune().run_backward(plan.backward_windows, errors)
+            sample()
+        else:
+            self._forward(rows, windows, result)()
+            if finetune:
+                self._finetune().run_backward(plan.backward_windows, errors)
+        if side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side_stream)
+        if finetune:
+            runner = self._finetune()
+            runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
+            runner.finish_sequences(plan.finished_finetune_sequences)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        result.execute_time = time.perf_counter() - start
+        return result
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def _forward(self, rows: list[ScheduledSequence], windows: list[FinetuneWindow],
+                 result: StepResult) -> Callable[[], None]:
+        """Launch one forward over inference rows then fine-tuning windows, with the windows'
+        losses (their gradients are kept for backward). Returns the call that samples the rows
+        that reached their end and computes prompt logprobs (it waits for the device)."""
         row_lens = [r.num_scheduled_tokens for r in rows] + [w.end - w.start for w in windows]
+        if not row_lens:
+            return lambda: None
+        errors = result.finetune_errors
         row_slots = [r.lora_slot for r in rows] + [w.lora_slot for w in windows]
-        if row_lens:
-            input_ids, positions = self._prepare_inputs(rows, windows)
-            num_computed = [r.num_computed_tokens for r in rows] + [w.start for w in windows]
-            block_tables = [r.block_ids for r in rows] + [
-                self._finetune().block_ids(w.job_id, w.sequence_id) for w in windows]
-            metadata = AttentionMetadata.build(
-                row_lens, num_computed, block_tables, self.block_size, self.device)
-            lora_meta = None
-            if self.lora_manager is not None and any(slot >= 0 for slot in row_slots):
-                lora_meta = LoRAKernelMeta.build(row_lens, row_slots, self.device)
-            capture = None
-            if windows:
-                capture = self._finetune().capture_windows(
-                    windows, sum(r.num_scheduled_tokens for r in rows), errors)
-            if (capture is None and self.graph_runner is not None
-                    and metadata.max_query_len == 1
-                    and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
-                hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
-            else:
-                with set_forward_context(metadata, lora_meta, finetune=capture):
-                    hidden = self.model(input_ids, positions)
-            if capture is not None:
-                self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
+        input_ids, positions = self._prepare_inputs(rows, windows)
+        num_computed = [r.num_computed_tokens for r in rows] + [w.start for w in windows]
+        block_tables = [r.block_ids for r in rows] + [
+            self._finetune().block_ids(w.job_id, w.sequence_id) for w in windows]
+        metadata = AttentionMetadata.build(
+            row_lens, num_computed, block_tables, self.block_size, self.device)
+        lora_meta = None
+        if self.lora_manager is not None and any(slot >= 0 for slot in row_slots):
+            lora_meta = LoRAKernelMeta.build(row_lens, row_slots, self.device)
+        capture = None
+        if windows:
+            capture = self._finetune().capture_windows(
+                windows, sum(r.num_scheduled_tokens for r in rows), errors)
+        if (capture is None and self.graph_runner is not None
+                and metadata.max_query_len == 1
+                and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
+            hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
+        else:
+            with set_forward_context(metadata, lora_meta, finetune=capture):
+                hidden = self.model(input_ids, positions)
+        if capture is not None:
+            self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
+        def sample() -> None:
             last_token_index = metadata.query_start_loc[1:] - 1
             sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
             if sample_rows:
                 self._sample(rows, sample_rows, hidden, last_token_index, result)
             self._prompt_logprobs(rows, hidden, result)
-        if finetune:
-            runner = self._finetune()
-            runner.run_backward(plan.backward_windows, errors)
-            runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
-            runner.finish_sequences(plan.finished_finetune_sequences)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        result.execute_time = time.perf_counter() - start
-        return result
+
+        return sample
 
     # ------------------------------------------------------------------------------ fine-tuning
     def add_finetune_job(self, job_id: str, lora_slot: int, hyperparameters: Any,
                          num_training_steps: int, init_adapter_path: str | None,
-                         seed: int) -> PruningPlan:
+                         seed: int, resume_from: str | None = None) -> PruningPlan:
         """Set up a job's adapter (in its reserved slot), optimizer and pruning plan.
-        `init_adapter_path`: a PEFT LoRA directory to start from (checked against the model)."""
+        `init_adapter_path`: a PEFT LoRA directory to start from (checked against the model).
+        `resume_from`: a checkpoint directory (`save_finetune_checkpoint`); its fp32 adapter and
+        AdamW state replace the init (a server-side path: allowed_adapter_dir does not apply)."""
         runner = self._finetune()
-        init = None
-        if init_adapter_path is not None:
-            lora = self.config.lora
+        lora = self.config.lora
+        init, resume_state = None, None
+        if resume_from is not None:
+            init = load_peft_adapter(resume_from, target_shapes(self.hf_config),
+                                     self.hf_config.num_hidden_layers, lora.max_lora_rank,
+                                     None, torch.float32)
+            resume_state = read_optimizer_state(resume_from)
+        elif init_adapter_path is not None:
             init = load_peft_adapter(init_adapter_path, target_shapes(self.hf_config),
                                      self.hf_config.num_hidden_layers, lora.max_lora_rank,
-                                     lora.allowed_adapter_dir, torch.float32)
+                                     lora.allowed_dir_for(init_adapter_path), torch.float32)
         return runner.add_job(FinetuneJobSpec(job_id, lora_slot, hyperparameters,
-                                              num_training_steps, init, seed))
+                                              num_training_steps, init, seed, resume_state))
 
     def end_finetune_job(self, job_id: str) -> None:
         """The job stopped: drop its sequences' activations (its weights stay for `save`)."""
@@ -238,6 +288,12 @@ class ModelRunner:
     def save_finetune_adapter(self, job_id: str, path: str) -> None:
         """Write a job's current adapter in PEFT format."""
         self._finetune().save_adapter(job_id, path, self.config.model.model)
+
+    def save_finetune_checkpoint(self, job_id: str, directory: str,
+                                 trainer_state: dict[str, Any]) -> None:
+        """Write a job's checkpoint (adapter, AdamW state, `trainer_state`) atomically."""
+        self._finetune().save_checkpoint(job_id, directory, trainer_state,
+                                         self.config.model.model)
 
     def _finetune(self) -> FinetuneRunner:
         if self.finetune_runner is None:

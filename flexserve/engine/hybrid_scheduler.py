@@ -1,0 +1,272 @@
+"""The hybrid token scheduler (FlexLLM 6.2): how much fine-tuning work rides in each iteration.
+
+The inference rows of a step are chosen first (iteration-level scheduling with chunked prefill, in
+`Scheduler`). This module then decides the fine-tuning part, by sharing policy:
+
+- `coserve` (default): forward windows of s = max s with f(c + s) <= SLO, where c is the inference
+  work already in the plan and f the latency model; then backward layer-windows the same way until
+  the predicted iteration time reaches the limit (TPOT SLO minus a margin). When the inference work
+  alone is predicted over the limit, or a waiting prompt is close to its TTFT deadline, fine-tuning
+  gets only its minimum share (`finetune_min_share` of the token budget), so it never starves.
+- `temporal` / `dynamic-temporal`: no fine-tuning in inference iterations; after every n inference
+  iterations (fixed n, or appendix A's algorithm 3) the engine runs fine-tuning-only iterations
+  until one optimizer step completes.
+- `spatial`: fine-tuning takes the remaining token budget every iteration, unsized, and runs on its
+  own CUDA stream concurrently with the inference rows.
+- `inference-only`: no fine-tuning at all.
+
+Whatever the policy, fine-tuning uses the whole iteration when there is no inference work (under
+`coserve` the whole iteration is still the SLO, so a request that arrives waits at most one SLO).
+Without a TPOT SLO (`slo_tpot_ms=None`, the offline `LLM`), windows fill the token budget, forward
+and backward tokens alike. Jobs and tenants are picked fairly with the Virtual Token Counter
+(appendix C). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from flexserve.config import CoserveConfig, SchedulerConfig
+from flexserve.engine.fairness import VirtualTokenCounter, VTCWeights
+from flexserve.engine.finetune_scheduler import FinetuneJobState, TokenBudgetSizer
+from flexserve.engine.latency_model import (
+    IterationShape,
+    OnlineLatencyModel,
+    backward_window_shape,
+    forward_window_shape,
+    max_window,
+    plan_shape,
+)
+from flexserve.engine.plan import BatchPlan
+from flexserve.engine.request import Request
+from flexserve.engine.sharing_policy import DynamicTemporalSharing, SharingPolicy, TemporalSharing
+
+logger = logging.getLogger(__name__)
+
+
+class StepMode(enum.Enum):
+    """What kind of iteration the scheduler builds next."""
+
+    INFERENCE = "inference"  # inference rows only
+    COSERVE = "coserve"  # inference rows, then SLO-sized fine-tuning windows
+    FINETUNE = "finetune"  # fine-tuning only (a temporal-sharing phase, or no inference work)
+    SPATIAL = "spatial"  # inference rows, and unsized fine-tuning on its own stream
+
+
+class LatencyWindowSizer:
+    """A `WindowSizer` over the latency model: a window fits while the predicted iteration time,
+    inference rows included, stays within `limit_s`.
+
+    `floor_tokens` fine-tuning tokens are granted even when nothing fits (the minimum share; a
+    backward layer-window token counts 1/num_layers, so the floor buys as much backward as it
+    buys forward). Forward tokens also respect the step's remaining token budget; one backward
+    window is at most `max_window_tokens` long (its intermediate tensors scale with it).
+    """
+
+    def __init__(self, predict: Callable[[IterationShape], float], shape: IterationShape,
+                 limit_s: float, max_forward_tokens: int, max_window_tokens: int,
+                 num_layers: int, floor_tokens: int = 0) -> None:
+        self.predict = predict
+        self.shape = shape  # the iteration so far: inference rows plus the windows granted
+        self.limit_s = limit_s
+        self.forward_left = max(max_forward_tokens, 0)
+        self.max_window_tokens = max_window_tokens
+        self.num_layers = max(num_layers, 1)
+        self.floor_left = float(floor_tokens)  # minimum share still owed, in forward tokens
+        self.num_forward_tokens = 0
+        self.num_backward_tokens = 0
+
+    def forward(self, start: int, max_tokens: int) -> int:
+        cap = min(max_tokens, self.forward_left)
+        if cap <= 0:
+            return 0
+        n = max_window(lambda s: self.predict(self.shape + forward_window_shape(start, s)),
+                       self.limit_s, cap)
+        n = max(n, min(cap, math.ceil(self.floor_left)))
+        if n:
+            self.shape = self.shape + forward_window_shape(start, n)
+            self.forward_left -= n
+            self.floor_left = max(self.floor_left - n, 0.0)
+            self.num_forward_tokens += n
+        return n
+
+    def backward(self, end: int, max_tokens: int) -> int:
+        cap = min(max_tokens, self.max_window_tokens, end)
+        if cap <= 0:
+            return 0
+        n = max_window(lambda s: self.predict(self.shape + backward_window_shape(end - s, end)),
+                       self.limit_s, cap)
+        n = max(n, min(cap, math.ceil(self.floor_left * self.num_layers)))
+        if n:
+            self.shape = self.shape + backward_window_shape(end - n, end)
+            self.floor_left = max(self.floor_left - n / self.num_layers, 0.0)
+            self.num_backward_tokens += n
+        return n
+
+
+class VTCJobPicker:
+    """A `JobPicker` for the Virtual Token Counter: the job of the least-served tenant goes next
+    (algorithm 4, lines 21-27); ties go to the job that started first. A forward token costs w_r,
+    a backward layer-token w_r / num_layers, so a token's whole training costs 2 w_r."""
+
+    def __init__(self, vtc: VirtualTokenCounter, num_layers: int) -> None:
+        self.vtc = vtc
+        self.num_layers = max(num_layers, 1)
+        self._backward_layer_tokens: dict[str, int] = {}  # tenant -> layer-tokens not charged yet
+
+    def pick(self, jobs: Sequence[FinetuneJobState]) -> FinetuneJobState:
+        tenant = self.vtc.pick(job.tenant for job in jobs)
+        return next(job for job in jobs if job.tenant == tenant)
+
+    def charge(self, job: FinetuneJobState, num_tokens: int, backward: bool) -> None:
+        if not backward:
+            self.vtc.charge_finetune(job.tenant, num_tokens)
+            return
+        # Whole tokens only: num_layers backward layer-tokens are one token's backward.
+        pending = self._backward_layer_tokens.get(job.tenant, 0) + num_tokens
+        whole, self._backward_layer_tokens[job.tenant] = divmod(pending, self.num_layers)
+        if whole:
+            self.vtc.charge_finetune(job.tenant, whole)
+
+
+class HybridTokenScheduler:
+    """Owns the sharing policy, the latency model and the fairness counters of one scheduler."""
+
+    def __init__(self, config: CoserveConfig, scheduler_config: SchedulerConfig, num_layers: int,
+                 latency_model: OnlineLatencyModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.policy = SharingPolicy(config.policy)
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.num_layers = max(num_layers, 1)
+        self.latency_model = latency_model if latency_model is not None \
+            else OnlineLatencyModel(None)
+        self.clock = clock
+        self.vtc = VirtualTokenCounter(VTCWeights(
+            config.vtc_prompt_weight, config.vtc_output_weight, config.vtc_finetune_weight))
+        self.picker = VTCJobPicker(self.vtc, num_layers)
+        self.limit_s = None if config.slo_tpot_ms is None \
+            else config.slo_tpot_ms / 1000.0 * (1.0 - config.slo_margin)
+        self.floor_tokens = math.ceil(config.finetune_min_share * self.max_num_batched_tokens)
+        self.temporal = TemporalSharing(config.temporal_frequency) \
+            if self.policy == SharingPolicy.TEMPORAL else None
+        self.dynamic = DynamicTemporalSharing() \
+            if self.policy == SharingPolicy.DYNAMIC_TEMPORAL else None
+        self.in_finetune_phase = False  # temporal policies: fine-tuning-only iterations until a
+        # job completes an optimizer step
+        self._queued_jobs: dict[str, str] = {}  # job id -> tenant, jobs the VTC counts as queued
+        self.num_arrivals = 0  # requests added since the last inference iteration (algorithm 3)
+        self.num_completions = 0  # requests finished since then
+        self.last_mode: StepMode | None = None
+        self.last_predicted_s = 0.0  # the latency model's prediction for the last plan
+
+    # ---------------------------------------------------------------------------- the step
+    def mode(self, has_inference_work: bool, has_finetune_work: bool) -> StepMode:
+        """The kind of iteration to build now."""
+        if self.policy == SharingPolicy.INFERENCE_ONLY or not has_finetune_work:
+            self.in_finetune_phase = False
+            return StepMode.INFERENCE
+        if not has_inference_work:
+            return StepMode.FINETUNE  # work-conserving: nothing to protect
+        if self.policy == SharingPolicy.COSERVE:
+            return StepMode.COSERVE
+        if self.policy == SharingPolicy.SPATIAL:
+            return StepMode.SPATIAL
+        return StepMode.FINETUNE if self.in_finetune_phase else StepMode.INFERENCE
+
+    def schedule_finetune(self, plan: BatchPlan, finetune, mode: StepMode,
+                          waiting: Iterable[Request]) -> None:
+        """Add this step's fine-tuning work to `plan` (its inference rows are final)."""
+        self.last_mode = mode
+        self.sync_jobs(finetune.jobs.values())
+        if mode == StepMode.INFERENCE:
+            return
+        budget_left = self.max_num_batched_tokens - plan.num_batched_tokens
+        if mode == StepMode.SPATIAL:
+            plan.finetune_concurrent = True
+            finetune.schedule(plan, TokenBudgetSizer(budget_left), self.picker)
+            return
+        if self.limit_s is None or (mode == StepMode.FINETUNE
+                                    and self.policy != SharingPolicy.COSERVE):
+            # No SLO to keep (offline), temporal phases, idle GPUs under the baselines: the
+            # plain token budget, forward and backward tokens alike.
+            finetune.schedule(plan, TokenBudgetSizer(budget_left), self.picker)
+            return
+        shape = plan_shape(plan)
+        predict = self.latency_model.predict
+        saturated = bool(plan.sequences) and predict(shape) > self.limit_s
+        pressure = self._ttft_pressure(waiting)
+        limit = 0.0 if pressure else self.limit_s
+        floor = self.floor_tokens if (saturated or pressure) else 0
+        if not plan.sequences:
+            # Nothing to protect: progress even when the model predicts that no window fits
+            # (a device too slow for the SLO, or the fallback before its first fit), else the
+            # plan stays empty, nothing is measured and fine-tuning stalls for good.
+            floor = max(self.floor_tokens, 1)
+        sizer = LatencyWindowSizer(predict, shape, limit, budget_left,
+                                   self.max_num_batched_tokens, self.num_layers, floor)
+        finetune.schedule(plan, sizer, self.picker)
+
+    def _ttft_pressure(self, waiting: Iterable[Request]) -> bool:
+        """A prompt still waiting after this step's admission is close to its TTFT deadline."""
+        deadline = self.config.ttft_pressure * self.config.slo_ttft_ms / 1000.0
+        now = self.clock()
+        return any(now - request.arrival_time > deadline for request in waiting)
+
+    def finish_step(self, plan: BatchPlan, num_waiting: int) -> None:
+        """Advance the temporal policies after a plan was built."""
+        self.last_predicted_s = self.latency_model.predict(plan_shape(plan))
+        if self.in_finetune_phase:
+            if plan.optimizer_steps or not (plan.finetune_windows or plan.backward_windows):
+                self.in_finetune_phase = False  # one fine-tuning step done (or nothing to do)
+            return
+        if not plan.sequences:
+            return
+        due = False
+        if self.temporal is not None:
+            due = self.temporal.after_iteration()
+        elif self.dynamic is not None:
+            due = self.dynamic.scheduler_step(num_waiting, len(plan.sequences),
+                                              self.num_arrivals, self.num_completions)
+        self.num_arrivals = self.num_completions = 0
+        if due:
+            self.in_finetune_phase = True
+
+    def observe(self, plan: BatchPlan, seconds: float) -> None:
+        """The measured time of an executed plan (corrects the latency model online)."""
+        self.latency_model.observe(plan_shape(plan), seconds)
+
+    # ------------------------------------------------------------------------------ fairness
+    def request_queued(self, request: Request) -> None:
+        """A request entered the waiting queue (new, or preempted)."""
+        self.vtc.enqueue(request.tenant, request.request_id)
+
+    def request_dequeued(self, request: Request) -> None:
+        """A request left the waiting queue (admitted or aborted)."""
+        self.vtc.dequeue(request.tenant, request.request_id)
+
+    def request_admitted(self, request: Request, num_prompt_tokens: int) -> None:
+        self.vtc.dequeue(request.tenant, request.request_id)
+        self.vtc.charge_prompt(request.tenant, num_prompt_tokens)
+
+    def tokens_generated(self, request: Request, num_tokens: int = 1) -> None:
+        self.vtc.charge_output(request.tenant, num_tokens)
+
+    def pick_tenant(self, tenants: Iterable[str]) -> str | None:
+        return self.vtc.pick(tenants)
+
+    def sync_jobs(self, jobs: Iterable[FinetuneJobState]) -> None:
+        """Jobs with work left are queued in the VTC; ended ones leave it."""
+        active = {job.job_id: job.tenant for job in jobs if not job.finished}
+        for job_id, tenant in list(self._queued_jobs.items()):
+            if job_id not in active:
+                self.vtc.dequeue(tenant, f"job:{job_id}")
+                del self._queued_jobs[job_id]
+        for job_id, tenant in active.items():
+            if job_id not in self._queued_jobs:
+                self.vtc.enqueue(tenant, f"job:{job_id}")
+                self._queued_jobs[job_id] = tenant

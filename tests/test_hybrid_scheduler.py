@@ -1,0 +1,355 @@
+"""The hybrid token scheduler (FlexLLM 6.2) with an injected latency model and clock: windows are
+the largest that fit the TPOT SLO, no plan is predicted over the SLO when the inference work alone
+fits, idle iterations are filled, saturated ones keep only the minimum share, TTFT pressure shrinks
+fine-tuning first, the sharing policies build the iterations they promise, and waiting requests
+are admitted fairly by tenant (Virtual Token Counter)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import fields
+
+import pytest
+
+from flexserve.config import CacheConfig, CoserveConfig, SchedulerConfig
+from flexserve.engine.finetune_scheduler import FinetuneJobState, TrainingSequence
+from flexserve.engine.latency_model import IterationShape, plan_shape
+from flexserve.engine.plan import BatchPlan, StepResult
+from flexserve.engine.request import Request
+from flexserve.engine.scheduler import Scheduler
+from flexserve.sampling_params import SamplingParams
+
+NUM_LAYERS = 4
+BLOCK = 16
+BUDGET = 512
+SLO_MS = 20.0
+MARGIN = 0.1
+LIMIT = SLO_MS / 1000 * (1 - MARGIN)
+
+
+class FakeLatencyModel:
+    """A monotone latency model with known coefficients (seconds)."""
+
+    error_ratio = 0.0
+
+    def __init__(self, per_token: float = 2e-5, per_decode_context: float = 1e-7,
+                 per_backward_token: float = 1e-5, base: float = 2e-3) -> None:
+        self.per_token = per_token
+        self.per_decode_context = per_decode_context
+        self.per_backward_token = per_backward_token
+        self.base = base
+        self.observed: list[tuple[IterationShape, float]] = []
+
+    def predict(self, shape: IterationShape) -> float:
+        return (self.base + self.per_token * shape.total_forward_tokens
+                + self.per_decode_context * shape.decode_context
+                + self.per_backward_token * shape.backward_tokens)
+
+    def observe(self, shape: IterationShape, seconds: float) -> None:
+        self.observed.append((shape, seconds))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(policy: str = "coserve", model: FakeLatencyModel | None = None,
+                   clock: Clock | None = None, max_num_seqs: int = 64,
+                   num_blocks: int = 2048, **coserve) -> Scheduler:
+    config = CoserveConfig(policy=policy, slo_tpot_ms=SLO_MS, slo_margin=MARGIN, **coserve)
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=max_num_seqs),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks), num_blocks, max_model_len=4096,
+        num_layers=NUM_LAYERS, max_finetune_len=4096, coserve_config=config,
+        latency_model=model or FakeLatencyModel(), clock=clock or Clock())
+
+
+def add_job(scheduler: Scheduler, job_id: str = "job", lengths=(2000,), tenant: str = "default",
+            batch_size: int = 1) -> FinetuneJobState:
+    sequences = [TrainingSequence(list(range(1, n + 1)), [False] + [True] * (n - 1))
+                 for n in lengths]
+    steps = [list(range(i, min(i + batch_size, len(lengths))))
+             for i in range(0, len(lengths), batch_size)]
+    job = FinetuneJobState(job_id, sequences, steps, lora_slot=0)
+    job.tenant = tenant
+    scheduler.finetune.add_job(job)
+    return job
+
+
+def add_request(scheduler: Scheduler, request_id: str, prompt_len: int = 32,
+                max_tokens: int = 64, tenant: str = "default", arrival: float | None = None
+                ) -> Request:
+    request = Request(request_id, list(range(1, prompt_len + 1)),
+                      SamplingParams(max_tokens=max_tokens, ignore_eos=True), None, max_tokens,
+                      arrival_time=arrival if arrival is not None else scheduler.clock(),
+                      tenant=tenant)
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler: Scheduler) -> BatchPlan:
+    """Schedule, then apply a result that samples token 1 for every row at its end."""
+    plan = scheduler.schedule()
+    result = StepResult()
+    for row in plan.sequences:
+        if row.needs_sample:
+            result.sampled_token_ids[row.request_id] = 1
+    for w in plan.finetune_windows:
+        result.finetune_losses[(w.job_id, w.sequence_id)] = (float(w.end - w.start),
+                                                             w.end - w.start)
+    for job_id in plan.optimizer_steps:
+        result.grad_norms[job_id] = 1.0
+    scheduler.update(plan, result)
+    return plan
+
+
+def inference_shape(plan: BatchPlan) -> IterationShape:
+    only_rows = BatchPlan(sequences=plan.sequences, num_batched_tokens=plan.num_batched_tokens)
+    return plan_shape(only_rows)
+
+
+def finetune_tokens(plan: BatchPlan) -> int:
+    return (sum(w.end - w.start for w in plan.finetune_windows)
+            + sum(w.end - w.start for w in plan.backward_windows) / NUM_LAYERS)
+
+
+def test_idle_iterations_fill_the_slo_with_the_largest_window():
+    model = FakeLatencyModel(per_token=4e-5)  # about 400 tokens fit, below the token budget
+    scheduler = make_scheduler(model=model)
+    add_job(scheduler, lengths=(3000,))
+    plan = step(scheduler)
+    (window,) = plan.finetune_windows
+    n = window.end - window.start
+    # The largest s that fits: s fits, s + 1 does not.
+    assert 300 < n < BUDGET
+    assert model.predict(plan_shape(plan)) <= LIMIT
+    assert model.predict(IterationShape(finetune_tokens=n + 1)) > LIMIT
+
+
+def test_backward_windows_fill_the_slo_when_idle():
+    model = FakeLatencyModel(per_backward_token=3e-5)  # about 530 layer-tokens fit
+    scheduler = make_scheduler(model=model)
+    add_job(scheduler, lengths=(300,))
+    for _ in range(5):
+        plan = step(scheduler)
+        if plan.backward_windows:
+            break
+    assert plan.backward_windows and not plan.finished_finetune_sequences
+    predicted = model.predict(plan_shape(plan))
+    assert predicted <= LIMIT
+    assert predicted + model.per_backward_token > LIMIT  # one more layer-token would not fit
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_no_plan_is_predicted_over_the_slo_when_inference_alone_fits(seed):
+    rng = random.Random(seed)
+    clock = Clock()
+    model = FakeLatencyModel(per_token=rng.uniform(1e-5, 4e-5),
+                             per_decode_context=rng.uniform(0, 4e-7))
+    scheduler = make_scheduler(model=model, clock=clock)
+    add_job(scheduler, "a", lengths=[rng.randint(50, 900) for _ in range(12)], batch_size=2)
+    add_job(scheduler, "b", lengths=[rng.randint(50, 900) for _ in range(10)], tenant="t2")
+    checked = 0
+    for i in range(300):
+        if rng.random() < 0.3:
+            add_request(scheduler, f"r{i}", prompt_len=rng.randint(1, 400),
+                        max_tokens=rng.randint(1, 60))
+        clock.now += 0.01
+        plan = step(scheduler)
+        if plan.finetune_windows or plan.backward_windows:
+            if model.predict(inference_shape(plan)) <= LIMIT:
+                assert model.predict(plan_shape(plan)) <= LIMIT + 1e-12
+                checked += 1
+        scheduler.kv_cache_manager.check_invariants()
+    assert checked > 20
+
+
+def test_saturated_inference_leaves_fine_tuning_its_minimum_share():
+    # Decode rows alone cost more than the SLO: fine-tuning gets exactly the floor.
+    model = FakeLatencyModel(per_token=1e-4)
+    scheduler = make_scheduler(model=model, finetune_min_share=0.05, max_num_seqs=BUDGET)
+    floor = math.ceil(0.05 * BUDGET)
+    for i in range(BUDGET - 64):
+        add_request(scheduler, f"r{i}", prompt_len=1, max_tokens=500)
+    add_job(scheduler, lengths=(3000,))
+    step(scheduler)  # admits the prompts (they alone exceed the SLO)
+    for _ in range(3):
+        plan = step(scheduler)
+        assert model.predict(inference_shape(plan)) > LIMIT
+        assert sum(w.end - w.start for w in plan.finetune_windows) == floor
+
+
+def test_ttft_pressure_shrinks_fine_tuning_to_its_minimum_share():
+    clock = Clock()
+    model = FakeLatencyModel()
+    scheduler = make_scheduler(model=model, clock=clock, max_num_seqs=1,
+                               finetune_min_share=0.02, slo_ttft_ms=1000.0, ttft_pressure=0.5)
+    add_job(scheduler, lengths=(4000,))
+    add_request(scheduler, "running", prompt_len=8, max_tokens=1000)
+    step(scheduler)
+    # A second request cannot be admitted (max_num_seqs=1) and waits.
+    add_request(scheduler, "waiting", prompt_len=8, arrival=clock.now)
+    relaxed = step(scheduler)
+    clock.now += 0.6  # it has waited longer than half the TTFT SLO
+    pressured = step(scheduler)
+    assert sum(w.end - w.start for w in relaxed.finetune_windows) > math.ceil(0.02 * BUDGET)
+    assert sum(w.end - w.start for w in pressured.finetune_windows) == math.ceil(0.02 * BUDGET)
+
+
+def test_inference_only_never_fine_tunes_while_requests_run():
+    scheduler = make_scheduler(policy="inference-only")
+    add_job(scheduler, lengths=(100,))
+    add_request(scheduler, "r", prompt_len=8, max_tokens=5)
+    for _ in range(5):
+        plan = step(scheduler)
+        assert not (plan.finetune_windows or plan.backward_windows or plan.finetune_starts)
+
+
+def test_temporal_sharing_runs_a_fine_tuning_step_every_n_iterations():
+    scheduler = make_scheduler(policy="temporal", temporal_frequency=3)
+    add_job(scheduler, lengths=(40,) * 6)
+    add_request(scheduler, "r", prompt_len=8, max_tokens=10_000)
+    kinds = []
+    for _ in range(40):
+        plan = step(scheduler)
+        has_finetune = bool(plan.finetune_windows or plan.backward_windows)
+        assert not (has_finetune and plan.sequences), "a fine-tuning phase holds inference back"
+        kinds.append("F" if has_finetune else "I")
+        if plan.optimizer_steps:
+            kinds.append("|")
+    pattern = "".join(kinds)
+    # Three inference iterations, then fine-tuning iterations up to an optimizer step, repeated.
+    phases = pattern.split("|")
+    for phase in phases[:-1]:
+        assert phase.startswith("III") and set(phase[3:]) == {"F"}, pattern
+
+
+def test_spatial_sharing_runs_fine_tuning_concurrently_every_iteration():
+    scheduler = make_scheduler(policy="spatial")
+    add_job(scheduler, lengths=(600,))
+    add_request(scheduler, "r", prompt_len=8, max_tokens=100)
+    plan = step(scheduler)
+    assert plan.finetune_concurrent and plan.sequences and plan.finetune_windows
+    assert plan.num_batched_tokens <= BUDGET
+
+
+def test_no_slo_fills_the_token_budget():
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=BUDGET),
+                          CacheConfig(block_size=BLOCK, num_blocks=512), 512,
+                          max_model_len=4096, num_layers=NUM_LAYERS, max_finetune_len=4096)
+    add_job(scheduler, lengths=(3000,))
+    plan = step(scheduler)
+    assert sum(w.end - w.start for w in plan.finetune_windows) == BUDGET
+
+
+def test_waiting_requests_are_admitted_fairly_by_tenant():
+    # Tenant A floods the queue; B's requests arrive later but are admitted as soon as A has
+    # been served more (VTC), not after A's whole backlog.
+    scheduler = make_scheduler(policy="inference-only", max_num_seqs=2)
+    for i in range(10):
+        add_request(scheduler, f"a{i}", prompt_len=64, max_tokens=2, tenant="A")
+    for i in range(3):
+        add_request(scheduler, f"b{i}", prompt_len=64, max_tokens=2, tenant="B")
+    admitted = []
+    for _ in range(40):
+        plan = step(scheduler)
+        admitted.extend(r.request_id for r in plan.sequences if r.request_id not in admitted)
+    b_positions = [admitted.index(f"b{i}") for i in range(3)]
+    assert b_positions[0] <= 2 and b_positions[-1] <= 6, admitted
+    assert admitted.index("a9") > b_positions[-1]
+
+
+def test_a_single_tenant_is_served_first_come_first_served():
+    scheduler = make_scheduler(policy="inference-only", max_num_seqs=3)
+    for i in range(8):
+        add_request(scheduler, f"r{i}", prompt_len=16, max_tokens=3)
+    admitted = []
+    for _ in range(30):
+        plan = step(scheduler)
+        admitted.extend(r.request_id for r in plan.sequences if r.request_id not in admitted)
+    assert admitted == [f"r{i}" for i in range(8)]
+
+
+def test_the_latency_model_observes_every_executed_plan():
+    from flexserve.engine.engine_core import EngineCore
+
+    model = FakeLatencyModel()
+    scheduler = make_scheduler(model=model)
+    add_request(scheduler, "r", prompt_len=8, max_tokens=3)
+
+    class Executor:
+        def execute(self, plan):
+            result = StepResult()
+            for row in plan.sequences:
+                if row.needs_sample:
+                    result.sampled_token_ids[row.request_id] = 1
+            return result
+
+    core = EngineCore(scheduler, Executor())
+    for _ in range(3):
+        core.step()
+    assert len(model.observed) == 3
+    assert {f.name for f in fields(IterationShape)} >= {"prefill_tokens", "decode_rows"}
+    assert model.observed[0][0].prefill_tokens == 8
+    assert model.observed[1][0].decode_rows == 1
+
+
+def test_fine_tuning_jobs_of_two_tenants_share_windows_by_vtc():
+    from flexserve.engine.fairness import VirtualTokenCounter
+    from flexserve.engine.hybrid_scheduler import VTCJobPicker
+
+    vtc = VirtualTokenCounter()
+    picker = VTCJobPicker(vtc, NUM_LAYERS)
+    a = FinetuneJobState("a", [], [], lora_slot=0)
+    b = FinetuneJobState("b", [], [], lora_slot=1)
+    a.tenant, b.tenant = "A", "B"
+    vtc.enqueue("A", "job:a")
+    vtc.enqueue("B", "job:b")
+    picker.charge(a, 10, backward=False)
+    assert picker.pick([a, b]) is b
+    picker.charge(b, 6, backward=True)  # 6 layer-tokens of 4 layers: one whole token so far
+    assert vtc.counter("B") == 1.0
+    picker.charge(b, 2, backward=True)  # 8 layer-tokens: two tokens
+    assert vtc.counter("B") == 2.0
+    picker.charge(b, 9, backward=False)
+    assert picker.pick([a, b]) is a and vtc.counter("B") == 11.0
+
+    # In the scheduler: two tenants' jobs, idle GPU, token budget split by the counters.
+    scheduler = make_scheduler()
+    add_job(scheduler, "x", lengths=(3000,), tenant="X")
+    add_job(scheduler, "y", lengths=(3000,), tenant="Y")
+    served = {"x": 0, "y": 0}
+    for _ in range(6):
+        plan = step(scheduler)
+        for w in plan.finetune_windows:
+            served[w.job_id] += w.end - w.start
+    assert served["x"] > 0 and served["y"] > 0
+    assert abs(served["x"] - served["y"]) <= BUDGET
+
+
+def test_an_idle_device_too_slow_for_the_slo_still_makes_progress():
+    # Every window is predicted over the SLO: without inference rows, fine-tuning still gets its
+    # minimum share (else nothing would run, be measured, or ever change the prediction).
+    model = FakeLatencyModel(base=1.0)
+    scheduler = make_scheduler(model=model, finetune_min_share=0.02)
+    add_job(scheduler, lengths=(100,))
+    plan = step(scheduler)
+    assert sum(w.end - w.start for w in plan.finetune_windows) == math.ceil(0.02 * BUDGET)
+    # With inference rows that fit, nothing is forced beside them: backward, which is
+    # predicted over the SLO, does not run.
+    fast_rows = FakeLatencyModel(base=0.0, per_token=1e-6, per_backward_token=1.0)
+    scheduler.hybrid.latency_model = fast_rows
+    add_request(scheduler, "r", prompt_len=4, max_tokens=50)
+    checked = 0
+    for _ in range(8):
+        plan = step(scheduler)
+        if plan.sequences:
+            assert fast_rows.predict(inference_shape(plan)) <= LIMIT
+            assert not plan.backward_windows
+            checked += 1
+    assert checked >= 5
