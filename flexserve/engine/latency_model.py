@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 from flexserve.engine.plan import BatchPlan
@@ -72,11 +72,15 @@ class IterationShape:
     finetune_windows: int = 0  # fine-tuning forward windows
 
     def __add__(self, other: IterationShape) -> IterationShape:
-        return IterationShape(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return IterationShape(*[getattr(self, name) + getattr(other, name)
+                                for name in _SHAPE_FIELDS])
 
     @property
     def total_forward_tokens(self) -> int:
         return self.prefill_tokens + self.decode_rows + self.finetune_tokens
+
+
+_SHAPE_FIELDS = tuple(f.name for f in fields(IterationShape))
 
 
 def _pairs(num_computed: int, num_new: int) -> int:

@@ -1,0 +1,217 @@
+"""`flexserve profile` and the profiler behind it, on the CPU.
+
+- Through the real executor of a tiny random Llama (4 layers, hidden 128, fp32): the quick grid
+  plus a held-out set of random mixed iterations; the fitted model's median error on the held-out
+  iterations must be below 15%. Iterations are timed with the thread's CPU time
+  (`time.thread_time`, torch on one thread): the CI machine's 2 cores are shared with other test
+  processes, and wall time there measures the neighbours more than the model (measured: held-out
+  median 5.3% to 6.9% over 6 runs with thread time; 6% to 29% with wall time on a busy machine).
+- With a fake executor and a fake clock whose iteration times come from a known model: the whole
+  pipeline (plans, rounds, warm-up dropping, medians, the fit) gives that model back exactly.
+- The CLI writes a profile with its metadata, to --out or where `serve` looks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+from flexserve.engine.latency_model import (
+    IterationShape,
+    LatencyModel,
+    load_matching_profile,
+    plan_shape,
+    profile_path,
+)
+from flexserve.engine.llm_engine import ModelInfo
+from flexserve.engine.plan import StepResult
+from flexserve.worker.profiler import (
+    FinetuneScenario,
+    InferenceCase,
+    ProfileGrid,
+    fit_profile,
+    profile_executor,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_checkpoint, tiny_config):
+    config = tiny_config("llama", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                         vocab_size=1024, max_position_embeddings=2048)
+    return tiny_checkpoint(config)
+
+
+def test_profile_tiny_model_predicts_heldout_iterations(tiny_dir):
+    from flexserve.worker.builder import build_executor
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = EngineConfig(
+            model=ModelConfig(model=tiny_dir, dtype="float32", max_model_len=1024),
+            cache=CacheConfig(kv_cache_gib=0.05), lora=LoRAConfig(max_loras=1, max_lora_rank=16))
+        executor, _, info = build_executor(config)
+        grid = ProfileGrid.default(256, info.max_model_len, 64, 1024, quick=True)
+        grid.num_heldout_inference, grid.num_heldout_finetune = 12, 2
+        result = profile_executor(executor, info, grid, repeats=5, warmup=1, progress=False,
+                                  clock=time.thread_time)
+    finally:
+        torch.set_num_threads(threads)
+    assert executor.finetune_runner.jobs == {}  # the profiling job is gone
+    shapes = [shape for shape, _ in result.samples]
+    assert any(s.decode_rows and not s.prefill_tokens for s in shapes)
+    assert any(s.prefill_tokens and not s.decode_rows for s in shapes)
+    assert any(s.finetune_tokens and not (s.prefill_tokens or s.decode_rows) for s in shapes)
+    assert any(s.backward_windows > 1 for s in shapes)
+    assert any(s.finetune_tokens and s.backward_tokens and s.prefill_tokens for s in shapes)
+    assert len(result.heldout) >= 16
+    model = fit_profile(result, {"device_name": "cpu"})
+    heldout = model.metadata["heldout"]
+    assert heldout["num_samples"] == len(result.heldout)
+    assert model.metadata["median_rel_error"] == heldout["median_rel_error"]
+    assert heldout["median_rel_error"] < 0.15, heldout
+
+
+# ------------------------------------------------------------------- a fake device, exactly
+class FakeExecutor:
+    """Executes nothing; each plan "takes" the time a known model gives its shape."""
+
+    def __init__(self, device: LatencyModel, info: ModelInfo) -> None:
+        self.device, self.info = device, info
+        self.now = 0.0
+        self.plans = []
+        self.jobs = []
+        self.lora_manager = object()
+        self.config = EngineConfig(lora=LoRAConfig(max_lora_rank=8))
+
+    def clock(self) -> float:
+        return self.now
+
+    def add_finetune_job(self, job_id, lora_slot, hyperparameters, num_training_steps,
+                         init_adapter_path, seed):
+        assert hyperparameters.lora.r == 8 and lora_slot == 0
+        self.jobs.append(job_id)
+
+    def remove_finetune_job(self, job_id):
+        self.jobs.remove(job_id)
+
+    def execute(self, plan) -> StepResult:
+        self.plans.append(plan)
+        for row in plan.sequences:
+            assert max(row.block_ids) < self.info.num_blocks
+            assert len(row.block_ids) * self.info.block_size >= (
+                row.num_computed_tokens + row.num_scheduled_tokens)
+        self.now += self.device.predict(plan_shape(plan))
+        return StepResult()
+
+
+def test_profile_pipeline_recovers_a_known_device():
+    coefficients = {"intercept": 1e-4, "forward": 2e-3, "eager": 5e-4, "forward_tokens": 3e-5,
+                    "forward_tokens_over_16": 0.0, "forward_tokens_over_32": 0.0,
+                    "forward_tokens_over_64": 2e-5, "forward_tokens_over_128": 0.0,
+                    "decode_rows": 1e-4, "decode_context": 1e-7, "attention": 1e-8,
+                    "finetune_windows": 4e-4, "finetune_tokens": 5e-5, "backward_windows": 3e-4,
+                    "backward_tokens": 5e-6, "backward_attention": 1e-9}
+    device = LatencyModel.from_dict({"format": "flexserve-latency-model", "version": 1,
+                                     "knots": [16, 32, 64, 128], "coefficients": coefficients})
+    info = ModelInfo(name="fake", vocab_size=100, max_model_len=1024, eos_token_id=None,
+                     num_blocks=64, block_size=16, device="cpu", dtype="float32", num_layers=3)
+    executor = FakeExecutor(device, info)
+    grid = ProfileGrid.default(256, 1024, 32, 1024, quick=True)
+    result = profile_executor(executor, info, grid, repeats=2, warmup=1, progress=False,
+                              clock=executor.clock)
+    assert executor.jobs == []
+    # Every inference case runs warmup + repeats times; a scenario with overlap has one
+    # more sequence, whose forward alone is not timed.
+    assert len(result.samples) > len(grid.inference) + 3
+    model = fit_profile(result)
+    for name, value in model.coefficient_dict().items():
+        assert value == pytest.approx(coefficients[name], rel=1e-6, abs=1e-12), name
+    assert model.metadata["heldout"]["max_rel_error"] < 1e-9
+    # The sequences' KV blocks (the first ones) never collide with the inference rows' blocks.
+    finetune_blocks = {b for plan in executor.plans for start in plan.finetune_starts
+                       for b in start.block_ids}
+    inference_blocks = {b for plan in executor.plans for row in plan.sequences
+                        for b in row.block_ids}
+    assert finetune_blocks and not finetune_blocks & inference_blocks
+    # Per sequence: forward windows in order, then the backward from the top layer down,
+    # windows from the end (the real executor raises on anything else).
+    lengths: dict[int, int] = {}
+    forward_end: dict[int, int] = {}
+    backward_at: dict[int, tuple[int, int]] = {}
+    for plan in executor.plans:
+        for start in plan.finetune_starts:
+            lengths[start.sequence_id] = len(start.token_ids)
+        for w in plan.finetune_windows:
+            assert w.start == forward_end.get(w.sequence_id, 0) < w.end
+            forward_end[w.sequence_id] = w.end
+        for w in plan.backward_windows:
+            n = lengths[w.sequence_id]
+            assert forward_end[w.sequence_id] == n
+            layer, end = backward_at.get(w.sequence_id, (info.num_layers - 1, n))
+            assert (w.layer, w.end) == (layer, end) and 0 <= w.start < w.end
+            backward_at[w.sequence_id] = (layer, w.start) if w.start else (layer - 1, n)
+
+
+def test_grid_checks_and_heldout_draws_are_seeded():
+    grid = ProfileGrid.default(2048, 4096, 256, 4096, quick=False)
+    assert max(p for c in grid.inference for _, p in c.prefill) == 2048
+    assert max(c.decode_rows for c in grid.inference) == 256
+    assert grid.heldout_cases() == grid.heldout_cases()
+    inference, scenarios = grid.heldout_cases()
+    assert len(inference) == 24 and len(scenarios) == 3
+    for case in inference:
+        assert sum(n for _, n in case.prefill) + case.decode_rows <= grid.max_tokens
+        assert all(c + n <= grid.max_context for c, n in case.prefill)
+    with pytest.raises(ValueError):
+        ProfileGrid.default(8, 4096, 256, 4096)
+    info = ModelInfo(name="fake", vocab_size=100, max_model_len=512, eos_token_id=None,
+                     num_blocks=64, block_size=16, device="cpu", dtype="float32", num_layers=3)
+    bad = ProfileGrid([InferenceCase([(500, 64)])], [], 256, 512, 8, 64, 0, 0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        profile_executor(FakeExecutor(None, info), info, bad, progress=False)
+    bad = ProfileGrid([], [FinetuneScenario(64, 0, 16)], 256, 512, 8, 64, 0, 0)
+    with pytest.raises(ValueError, match="scenario"):
+        profile_executor(FakeExecutor(None, info), info, bad, progress=False)
+
+
+# ------------------------------------------------------------------------------------ CLI
+def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
+    from flexserve.entrypoints.cli import main
+
+    monkeypatch.setenv("FLEXSERVE_HOME", str(tmp_path / "home"))
+    state = tmp_path / "state"
+    common = ["profile", "--quick", "--model", tiny_dir, "--max-model-len", "512",
+              "--kv-cache-gib", "0.05", "--repeats", "1", "--warmup", "0", "--no-progress",
+              "--state-dir", str(state), "--log-level", "warning"]
+    out = tmp_path / "p.json"
+    assert main(common + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out error:" in printed and f"saved {out}" in printed
+    data = json.loads(out.read_text())
+    assert data["format"] == "flexserve-latency-model"
+    meta = data["metadata"]
+    assert meta["device_name"] == "cpu" and meta["model"] == tiny_dir
+    assert meta["dtype"] == "float32" and meta["num_layers"] == 4
+    assert meta["quick"] is True and meta["repeats"] == 1
+    assert meta["grid"]["max_context"] == 512 and meta["grid"]["max_tokens"] == 256
+    for report in ("fit", "heldout"):
+        assert set(meta[report]) == {"median_rel_error", "p90_rel_error", "max_rel_error",
+                                     "num_samples"}
+    assert meta["heldout"]["num_samples"] >= 6
+    assert isinstance(meta["created"], float) and meta["flexserve_version"]
+    model = LatencyModel.load(str(out))
+    assert model.predict(IterationShape(decode_rows=4, decode_context=400)) > 0
+
+    # Without --out: into the state directory, where the engine finds it.
+    assert main(common) == 0
+    path = profile_path(str(state), "cpu", tiny_dir, "float32")
+    assert f"saved {path}" in capsys.readouterr().out
+    assert load_matching_profile(str(state), "cpu", tiny_dir, "float32") is not None
+
+    with pytest.raises(SystemExit):
+        main(common + ["--repeats", "0"])
