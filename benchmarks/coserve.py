@@ -42,12 +42,8 @@ from typing import Any
 
 import httpx
 
-from flexserve.entrypoints.bench_serve import (
-    PROMPT_WORDS,
-    parse_bench_serve_args,
-    random_text,
-    run_benchmark,
-)
+from flexserve.entrypoints.bench_serve import parse_bench_serve_args, run_benchmark
+from flexserve.entrypoints.bench_workload import PROMPT_WORDS, random_text
 
 DEFAULT_POLICIES = ["coserve", "temporal-64", "temporal-128", "dynamic-temporal", "spatial",
                     "inference-only", "finetune-only"]

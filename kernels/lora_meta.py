@@ -18,6 +18,9 @@ class LoRAKernelMeta:
     num_tokens: int  # T
     max_seg_len: int  # longest segment; 0 when no token has an adapter
     decode_only: bool  # every segment has one token (BGMV-shaped batch)
+    # the distinct slots of the batch (host side), so a linear whose slots hold no weights for
+    # any of them skips its kernels; None (CUDA-graph capture): unknown, every linear runs them
+    slots: frozenset[int] | None = None
 
     @property
     def num_segments(self) -> int:
@@ -62,4 +65,5 @@ class LoRAKernelMeta:
             num_tokens=position,
             max_seg_len=max(lens, default=0),
             decode_only=bool(lens) and max(lens) == 1,
+            slots=frozenset(slots),
         )

@@ -17,22 +17,22 @@ from starlette.routing import Route
 from flexserve.config import CacheConfig, EngineConfig, ModelConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.bench_serve import (
+from flexserve.entrypoints.bench_finetune import FinetuneSample, finetune_tokens_per_s
+from flexserve.entrypoints.bench_metrics import (
+    RequestRecord,
+    aggregate_metrics,
+    format_report,
+    percentile,
+)
+from flexserve.entrypoints.bench_serve import parse_bench_serve_args, run_benchmark
+from flexserve.entrypoints.bench_workload import (
     MAX_SAMPLED_INPUT_LEN,
     MIN_SAMPLED_LEN,
     PROMPT_WORDS,
-    FinetuneSample,
-    RequestRecord,
-    aggregate_metrics,
     arrival_times,
-    finetune_tokens_per_s,
-    format_report,
     iter_random_requests,
     iter_sharegpt_like_requests,
     load_jsonl_requests,
-    parse_bench_serve_args,
-    percentile,
-    run_benchmark,
     sharegpt_like_lengths,
 )
 

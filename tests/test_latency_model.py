@@ -249,10 +249,12 @@ def test_online_model_outlier_moves_the_scale_a_little():
     base = true_model()
     online = OnlineLatencyModel(base, ewma_alpha=0.1)
     shape = forward_window_shape(0, 64)
-    online.observe(shape, 100 * base.predict(shape))  # a stall
+    online.observe(shape, 100 * base.predict(shape))  # a lone stall: the scale stays
+    assert online.scale == 1.0
+    online.observe(shape, 2.5 * base.predict(shape))  # slower, but not a stall
     assert online.scale == pytest.approx(1.1)  # ratio clamped to 2x the scale, times alpha
     online.observe(shape, 0.0)  # ignored
-    assert online.num_observed == 1
+    assert online.num_observed == 2
 
 
 def test_fallback_is_conservative_and_grows_gradually():
@@ -290,3 +292,18 @@ def test_fallback_is_conservative_and_grows_gradually():
                       4096)
     assert max(windows[-20:]) > 64
     assert windows[-1] >= 0.5 * best
+
+
+def test_lone_stalls_do_not_move_the_online_scale_but_a_slower_device_does():
+    model = LatencyModel.fit([(IterationShape(prefill_tokens=n), 0.001 + 1e-5 * n)
+                              for n in range(16, 2048, 64)])
+    online = OnlineLatencyModel(model)
+    shape = IterationShape(prefill_tokens=512)
+    base = model.predict(shape)
+    for i in range(50):
+        # every tenth iteration stalls 20x (a compile, an allocator retry)
+        online.observe(shape, base * (20.0 if i % 10 == 0 else 1.0))
+    assert online.scale == pytest.approx(1.0, abs=0.05)
+    for _ in range(60):  # the device really became 5x slower
+        online.observe(shape, base * 5.0)
+    assert online.scale > 3.5

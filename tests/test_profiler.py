@@ -29,13 +29,8 @@ from flexserve.engine.latency_model import (
 )
 from flexserve.engine.llm_engine import ModelInfo
 from flexserve.engine.plan import StepResult
-from flexserve.worker.profiler import (
-    FinetuneScenario,
-    InferenceCase,
-    ProfileGrid,
-    fit_profile,
-    profile_executor,
-)
+from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, ProfileGrid
+from flexserve.worker.profiler import fit_profile, profile_executor
 
 
 @pytest.fixture(scope="module")

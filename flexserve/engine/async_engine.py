@@ -7,7 +7,9 @@ own event loop with `call_soon_threadsafe` into an asyncio queue.
 All engine state, the per-request timing included, is touched by the engine thread alone.
 
 If the engine loop raises, every in-flight request fails with `EngineDeadError` and the engine
-reports itself unhealthy instead of leaving callers hanging.
+reports itself unhealthy instead of leaving callers hanging. A failure confined to one request (its
+output processing raised) fails that request alone with `RequestFailedError`; a request running
+past `request_timeout_s` is aborted (KV blocks freed) with `RequestTimeoutError`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (crashed or shut down); no request can be served."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran longer than the server's per-request limit and was aborted."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this request failed on the server; it alone was aborted."""
+
+
 class AsyncLLMEngine:
     """Serves an `LLMEngine` to asyncio code: `prepare`, `generate`, `abort`.
 
@@ -58,8 +68,15 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         log_stats: bool | None = None,
         stats_log_interval_s: float = 5.0,
+        request_timeout_s: float | None = None,
     ) -> None:
+        """`request_timeout_s`: a request still unfinished this long after its arrival is
+        aborted with `RequestTimeoutError` (None: no limit)."""
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be positive, got {request_timeout_s}")
         self.engine = engine
+        self.request_timeout_s = request_timeout_s
+        self._stop_reason: str | None = None  # the EngineDeadError message of a clean stop
         if log_stats is None:
             log_stats = not getattr(engine.config, "disable_log_stats", False)
         self._stat_loggers: list[StatLogger] = []
@@ -124,12 +141,12 @@ class AsyncLLMEngine:
             self._thread = threading.Thread(target=self._run, name="flexserve-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread; in-flight requests fail with `EngineDeadError`."""
+    def shutdown(self, timeout: float = 30.0, reason: str | None = None) -> None:
+        """Stop the engine thread; in-flight requests fail with `EngineDeadError(reason)`."""
         thread = self._thread
         if thread is None or not thread.is_alive():
             return
-        self._commands.put(("stop", None))
+        self._commands.put(("stop", reason))
         thread.join(timeout)
 
     # ------------------------------------------------------------------------------ requests
@@ -167,9 +184,11 @@ class AsyncLLMEngine:
                 raise EngineDeadError("the engine is not running; call start() first")
             self._commands.put(("add", tracker))
         finished = False
+        deadline = (None if self.request_timeout_s is None
+                    else prepared.arrival_time + self.request_timeout_s)
         try:
             while True:
-                item = await outputs.get()
+                item = await self._next_item(outputs, deadline)
                 while (
                     isinstance(item, RequestOutput)
                     and not item.finished
@@ -189,6 +208,21 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(prepared.request_id)
+
+    async def _next_item(self, outputs: asyncio.Queue[Any], deadline: float | None) -> Any:
+        """The next queue item; `RequestTimeoutError` once `deadline` (monotonic) passed."""
+        if deadline is None:
+            return await outputs.get()
+        if time.monotonic() < deadline:
+            if not outputs.empty():  # a busy stream must time out too: check before taking
+                return outputs.get_nowait()
+        try:
+            return await asyncio.wait_for(outputs.get(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(
+                f"The request ran longer than the server's limit of {self.request_timeout_s:g} s "
+                "(--request-timeout-s) and was aborted; ask for fewer tokens or retry later."
+            ) from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request by id; thread-safe, and a no-op for unknown or finished ids."""
@@ -269,7 +303,7 @@ class AsyncLLMEngine:
                                and not self.engine.has_unfinished_requests())
                 self._deliver_finetune_updates()
                 self._finish_stats(stats)
-            self._fail_all(EngineDeadError("the engine was shut down"))
+            self._fail_all(EngineDeadError(self._stop_reason or "the engine was shut down"))
         except BaseException as e:  # a crashed engine must not leave clients waiting forever
             logger.exception("the engine loop failed; failing all in-flight requests")
             self._fail_all(EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}"))
@@ -294,6 +328,7 @@ class AsyncLLMEngine:
         while True:
             kind, payload = command
             if kind == "stop":
+                self._stop_reason = payload
                 return False
             if kind == "add":
                 self._add(payload)
@@ -349,6 +384,9 @@ class AsyncLLMEngine:
                 stats.finished_requests.append(tracker.finished_stats())
                 tracker.deliver(AdapterLoadError(reason))
         scheduler = self.engine.scheduler
+        # Requests whose output processing raised: they ended (finish reason "abort", KV freed);
+        # their clients get an error instead of that final output.
+        failed = self.engine.output_processor.pop_failed_requests()
         output_ids = {output.request_id for output in outputs}
         for tracker in self._trackers.values():
             if tracker.first_scheduled_time is None:
@@ -357,11 +395,28 @@ class AsyncLLMEngine:
             tracker = self._trackers.get(output.request_id)
             if tracker is None:
                 continue
-            tracker.observe(output, now, stats)
-            if output.finished:
-                del self._trackers[output.request_id]
-                stats.finished_requests.append(tracker.finished_stats())
-            tracker.deliver(output)
+            reason = failed.get(output.request_id)
+            try:
+                if reason is None:
+                    tracker.observe(output, now, stats)
+                    if output.finished:
+                        del self._trackers[output.request_id]
+                        stats.finished_requests.append(tracker.finished_stats())
+                    tracker.deliver(output)
+                    continue
+            except Exception:  # one request's bookkeeping must not take the engine down
+                logger.exception("request %s: handing out its output failed", output.request_id)
+                reason = "handing out the request's output failed"
+            self._trackers.pop(output.request_id, None)
+            self.engine.abort_request(output.request_id)  # a no-op once it finished
+            tracker.mark_aborted(now)
+            stats.finished_requests.append(tracker.finished_stats())
+            try:  # a client whose event loop is gone has nobody to tell
+                tracker.deliver(RequestFailedError(
+                    f"The server failed while processing this request ({reason}) and aborted "
+                    f"it; see the server log for request {output.request_id}."))
+            except RuntimeError:
+                logger.warning("request %s: its client is gone", output.request_id)
 
     def _new_stats(self) -> IterationStats:
         stats = IterationStats()

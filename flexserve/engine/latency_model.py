@@ -359,8 +359,10 @@ class OnlineLatencyModel:
 
     With a profile, predict = base.predict(shape) * scale, where scale is an EWMA (`ewma_alpha`)
     of measured / predicted over the observed iterations. Each ratio is clamped to
-    [scale / 2, 2 * scale] first, so one stall moves the scale by at most `ewma_alpha` of itself,
-    and the scale stays in [1/4, 4].
+    [scale / 2, 2 * scale] first, and the scale stays in [1/4, 4]. An iteration over
+    `stall_ratio` (3) x the corrected prediction is a stall (a compile, an allocator retry) and
+    leaves the scale alone, unless `max_stalls` (8) come in a row: then the device really is
+    slower and the scale follows.
 
     Without a profile (`is_fallback`) the model is conservative on purpose: an optimistic f breaks
     the inference SLO, a pessimistic one only costs fine-tuning throughput.
@@ -392,6 +394,9 @@ class OnlineLatencyModel:
         self.refit_interval = refit_interval
         self._scale = 1.0
         self._num_observed = 0
+        self.stall_ratio = 3.0  # measured / predicted above which an iteration is a stall
+        self.max_stalls = 8  # stalls in a row after which the scale follows anyway
+        self._num_stalls = 0
         self._errors: deque[float] = deque(maxlen=error_window)
         # Fallback state: observations, the current fit and the caps its data allows.
         self._samples: deque[tuple[IterationShape, float]] = deque(maxlen=max_samples)
@@ -457,9 +462,18 @@ class OnlineLatencyModel:
         self._num_observed += 1
         uncorrected = self.model.predict(shape) if self.model is not None else 0.0
         if uncorrected > 0:
-            ratio = min(max(seconds / uncorrected, 0.5 * self._scale), 2.0 * self._scale)
-            self._scale += self.ewma_alpha * (ratio - self._scale)
-            self._scale = min(max(self._scale, 0.25), 4.0)
+            raw = seconds / uncorrected
+            # A lone iteration several times slower than predicted is a stall (a kernel compiled
+            # for a new shape, an allocator retry), not a slower device: H200, Llama-3.1-8B, the
+            # first backward windows of a job took 1.0-1.3 s against 45 ms predicted and drove
+            # the scale to 3.5, shrinking every window for the next ~20 iterations. Only a run of
+            # `max_stalls` such iterations in a row moves the scale.
+            self._num_stalls = self._num_stalls + 1 if raw > self.stall_ratio * self._scale \
+                else 0
+            if not 0 < self._num_stalls <= self.max_stalls:
+                ratio = min(max(raw, 0.5 * self._scale), 2.0 * self._scale)
+                self._scale += self.ewma_alpha * (ratio - self._scale)
+                self._scale = min(max(self._scale, 0.25), 4.0)
         if self.base is None:
             self._samples.append((shape, seconds))
             self._recent.append(seconds)

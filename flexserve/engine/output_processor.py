@@ -2,10 +2,16 @@
 
 A prompt with n > 1 is a parent whose n children are separate scheduler `Request`s; callers see
 one `RequestOutput` per parent, cumulative (every output carries the whole text so far).
+
+An exception while processing one prompt's step (a tokenizer that cannot decode its tokens, a
+stop string that breaks matching) fails that prompt alone: it ends at once with finish reason
+"abort", its unfinished children are handed back to be finished in the scheduler (freeing their
+KV blocks), and `pop_failed_requests` names it with the reason; every other prompt goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from flexserve.engine.detokenizer import IncrementalDetokenizer, decode_token
@@ -13,6 +19,8 @@ from flexserve.engine.plan import StepResult, TokenLogprobs
 from flexserve.engine.request import Request, RequestStatus
 from flexserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from flexserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[int, str] | None:
@@ -118,6 +126,7 @@ class OutputProcessor:
         self._parents: dict[str, _Parent] = {}
         self._children: dict[str, tuple[_Parent, _Completion]] = {}
         self._token_texts: dict[int, str] = {}  # decode_token cache for logprob entries
+        self._failed: dict[str, str] = {}  # parent id -> why its processing failed (unpopped)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -151,32 +160,75 @@ class OutputProcessor:
         """
         changed: dict[str, _Parent] = {}
         stopped: list[str] = []
+        failed: dict[str, _Parent] = {}
         # Every row that covered prompt positions reports their logprobs, also a prefill chunk
         # that sampled nothing (so its request is not in `updated`).
         for child_id, prompt_entries in result.prompt_logprobs.items():
             entry = self._children.get(child_id)
-            if entry is not None:
-                self._add_prompt_logprobs(entry[0], child_id, prompt_entries)
+            if entry is not None and entry[0].request_id not in failed:
+                try:
+                    self._add_prompt_logprobs(entry[0], child_id, prompt_entries)
+                except Exception as e:  # this prompt's failure only
+                    self._fail(entry[0], e, failed, changed)
         for request in updated:
             entry = self._children.get(request.request_id)
             if entry is None:
                 continue  # aborted
             parent, completion = entry
+            if parent.request_id in failed:
+                continue
             changed[parent.request_id] = parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
             if completion.finish_reason is None:
-                matched_stop = self._update(completion, parent.params, request, result)
+                try:
+                    matched_stop = self._update(completion, parent.params, request, result)
+                except Exception as e:  # this prompt's failure only
+                    self._fail(parent, e, failed, changed)
+                    continue
                 if matched_stop and not request.status.finished:
                     stopped.append(request.request_id)
         outputs = []
         for parent in changed.values():
-            outputs.append(parent.to_output())
+            try:
+                output = parent.to_output()
+            except Exception as e:  # this prompt's failure only
+                self._fail(parent, e, failed, changed)
+                output = parent.to_output()
+            outputs.append(output)
             if parent.finished:
                 self._drop(parent)
+        for parent in failed.values():
+            stopped.extend(c.request_id for c in parent.completions
+                           if c.request_id not in stopped)
         return outputs, stopped
+
+    def pop_failed_requests(self) -> dict[str, str]:
+        """Prompts whose processing failed since the last call (parent id -> reason). Each got
+        a final output with finish reason "abort"; a server should send its client an error."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def _fail(self, parent: _Parent, error: Exception, failed: dict[str, _Parent],
+              changed: dict[str, _Parent]) -> None:
+        """End `parent` now: every unfinished completion is aborted (its scheduler requests are
+        finished by the engine through `stopped`)."""
+        logger.exception("request %s: processing its output failed; aborting it alone",
+                         parent.request_id)
+        failed[parent.request_id] = parent
+        changed[parent.request_id] = parent
+        self._failed[parent.request_id] = (
+            f"processing the request's output failed ({type(error).__name__})")
+        parent.prompt_logprobs = None  # logprob entries may be what broke: the final output
+        for completion in parent.completions:  # is built from plain fields only
+            completion.logprobs = None
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+                completion.stop_reason = None
+                completion.holdback = 0
 
     def abort(self, parent_id: str) -> list[str]:
         """Forget a prompt; returns its children that had not finished."""
+        self._failed.pop(parent_id, None)
         parent = self._parents.get(parent_id)
         if parent is None:
             return []

@@ -7,13 +7,15 @@ builds the app and runs it.
 from __future__ import annotations
 
 import contextlib
-import secrets
+import functools
+import math
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -22,12 +24,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import flexserve
 from flexserve.engine.adapter_manager import AdapterExistsError, AdapterNotFoundError
 from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.entrypoints import serving_files, serving_fine_tuning
+from flexserve.entrypoints.auth import APIKeyMiddleware, APIKeyTable
 from flexserve.entrypoints.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
+from flexserve.entrypoints.finetune_service import FinetuneService, FinetuneServiceConfig
+from flexserve.entrypoints.health import HealthMonitor
+from flexserve.entrypoints.limits import (
+    AdmissionController,
+    AdmissionLimits,
+    AdmissionMiddleware,
+)
 from flexserve.entrypoints.openapi import build_openapi
 from flexserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    HealthResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
@@ -38,11 +48,16 @@ from flexserve.entrypoints.protocol import (
 from flexserve.entrypoints.serving_base import ClientDisconnected, json_response
 from flexserve.entrypoints.serving_chat import OpenAIServingChat
 from flexserve.entrypoints.serving_completions import OpenAIServingCompletion
+from flexserve.entrypoints.shutdown import DEFAULT_SHUTDOWN_GRACE_S, GracefulShutdown
 from flexserve.metrics import PrometheusStatLogger
+from flexserve.metrics.finetune_metrics import FinetuneMetrics
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
 # nginx's code for "client closed the request": logged, never seen by the (gone) client.
 _CLIENT_CLOSED_REQUEST = 499
+# Room for the multipart framing (boundaries, part headers, `purpose`) around an upload of
+# --max-upload-mb; the file's own size is checked exactly once it is parsed.
+_MULTIPART_SLACK_BYTES = 64 * 1024
 
 
 def build_app(
@@ -50,11 +65,23 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    finetune: FinetuneServiceConfig | None = None,
+    *,
+    api_keys: APIKeyTable | None = None,
+    limits: AdmissionLimits | None = None,
+    allowed_origins: Sequence[str] = (),
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
 ) -> Starlette:
     """An app serving `engine` under `served_model_name` (default: the model's name).
 
     The app starts the engine thread on startup if it is not running; whoever created the engine
-    shuts it down. Each app has its own Prometheus registry.
+    shuts it down. Each app has its own Prometheus registry. With `finetune`, the app also serves
+    the files and fine-tuning jobs API (`FinetuneService`, state under `finetune.state_dir`).
+
+    Security and limits (docs/operations.md): `api_key` (one key) or `api_keys` (several, with
+    tenants) guard `/v1/*`; `limits` bounds the generation requests in flight (429 past them);
+    `allowed_origins` turns CORS on for those origins (off by default); a graceful shutdown
+    (`app.state.shutdown`) gives requests in flight `shutdown_grace_s` to finish.
     """
     if max_request_body_bytes <= 0:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
@@ -63,15 +90,40 @@ def build_app(
     for lora_request in engine.list_loras():
         if lora_request.lora_name == model_name:
             raise ValueError(f"LoRA adapter name {model_name!r} is the served model's name")
+    config = engine.engine.config
     metrics = PrometheusStatLogger(
-        model_name, engine.engine.config.scheduler.max_num_batched_tokens,
-        enable_lora=engine.lora_enabled)
+        model_name, config.scheduler.max_num_batched_tokens, enable_lora=engine.lora_enabled,
+        slo_ttft_s=config.coserve.slo_ttft_ms / 1000.0,
+        slo_tpot_s=(math.inf if config.coserve.slo_tpot_ms is None
+                    else config.coserve.slo_tpot_ms / 1000.0))
     engine.add_stat_logger(metrics)
+    # --- reliability and security (auth.py, limits.py, health.py, shutdown.py) ---
+    if api_key and api_keys is not None:
+        raise ValueError("give either api_key or api_keys, not both")
+    keys = APIKeyTable.from_sources([api_key]) if api_key else api_keys
+    admission = AdmissionController(limits)
+    health_monitor = HealthMonitor()
+    engine.add_finetune_listener(health_monitor.on_finetune_updates)
+    # --- end reliability and security ---
+    # --- fine-tuning service (files + jobs API) ---
+    service = None if finetune is None else FinetuneService(
+        engine, model_name, finetune, FinetuneMetrics(metrics.registry, model_name))
+    body_limits = {} if finetune is None else {
+        "/v1/files": (finetune.max_upload_bytes + _MULTIPART_SLACK_BYTES,
+                      lambda: serving_files.upload_too_large(finetune.max_upload_bytes))}
+    # --- end fine-tuning service ---
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
-        yield
+        if service is None:
+            yield
+            return
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.close()
 
     app = Starlette(
         routes=[
@@ -84,10 +136,20 @@ def build_app(
             Route("/version", version, methods=["GET"]),
             Route("/metrics", metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", openapi, methods=["GET"]),
+            *(_finetune_routes() if service is not None else []),
         ],
         middleware=[
-            Middleware(APIKeyMiddleware, api_key=api_key),
-            Middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes),
+            # Outermost first: CORS answers preflights and decorates even 401s and 429s; the
+            # key's tenant is known before admission counts the request.
+            *([Middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                          allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                          allow_headers=["Authorization", "Content-Type"],
+                          expose_headers=["Retry-After", "x-request-id"])]
+              if allowed_origins else []),
+            Middleware(APIKeyMiddleware, keys=keys),
+            Middleware(AdmissionMiddleware, controller=admission),
+            Middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
+                       path_limits=body_limits),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
@@ -99,8 +161,32 @@ def build_app(
     state.created = now_s()
     state.completions = OpenAIServingCompletion(engine, [model_name])
     state.chat = OpenAIServingChat(engine, [model_name])
-    state.openapi = build_openapi(flexserve.__version__, api_key_required=bool(api_key))
+    state.finetune = service
+    state.admission = admission
+    state.health_monitor = health_monitor
+    state.shutdown = GracefulShutdown(admission, engine, service, shutdown_grace_s)
+    state.openapi = build_openapi(flexserve.__version__, api_key_required=keys is not None,
+                                  finetune=service is not None)
     return app
+
+
+def _finetune_routes() -> list[Route]:
+    """The files and fine-tuning jobs API (`serving_files`, `serving_fine_tuning`)."""
+    files, jobs = serving_files, serving_fine_tuning
+    return [
+        Route("/v1/files", files.create_file, methods=["POST"]),
+        Route("/v1/files", files.list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.retrieve_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", files.delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", files.file_content, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs", jobs.create_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs", jobs.list_jobs, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs/{job_id}", jobs.retrieve_job, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/cancel", jobs.cancel_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/events", jobs.list_events, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/checkpoints", jobs.list_checkpoints,
+              methods=["GET"]),
+    ]
 
 
 # ---------------------------------------------------------------------------------------- routes
@@ -167,9 +253,10 @@ async def unload_lora_adapter(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    engine: AsyncLLMEngine = request.app.state.engine
+    state = request.app.state
+    engine: AsyncLLMEngine = state.engine
     if engine.is_healthy:
-        return json_response(HealthResponse())
+        return json_response(state.health_monitor.status(state.admission))
     reason = engine.dead_error or "the engine is not running"
     return error_response(503, str(reason), "server_error", code="engine_dead")
 
@@ -188,47 +275,33 @@ async def openapi(request: Request) -> Response:
 
 
 # ------------------------------------------------------------------------------------ middleware
-class APIKeyMiddleware:
-    """Every `/v1/*` request needs `Authorization: Bearer <key>` when a key is configured."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.expected = None if not api_key else f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            self.expected is None
-            or scope["type"] != "http"
-            or not scope["path"].startswith("/v1/")
-            or scope["method"] == "OPTIONS"
-        ):
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization")
-        if given is not None and secrets.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        message = ("Incorrect API key provided." if given is not None
-                   else "You didn't provide an API key: send `Authorization: Bearer <key>`.")
-        response = error_response(401, message, code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-
 class BodySizeLimitMiddleware:
-    """Rejects request bodies over `max_bytes` with 413, by Content-Length or while reading."""
+    """Rejects request bodies over `max_bytes` with 413, by Content-Length or while reading.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    `path_limits`: path -> (its own limit, the error to send over it), e.g. uploads to
+    `/v1/files`, limited by --max-upload-mb instead.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 path_limits: Mapping[str, tuple[int, Callable[[], APIError]]] | None = None,
+                 ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, make_error = self.path_limits.get(scope["path"], (self.max_bytes, None))
+        if make_error is None:
+            make_error = functools.partial(self._error, max_bytes)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large().__call__(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            error = make_error()
+            response = error_response(error.status_code, error.message, error.type,
+                                      error.param, error.code)
+            await response(scope, receive, send)
             return
         received = 0
 
@@ -237,21 +310,18 @@ class BodySizeLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     # Raised inside the route's body read, so the app's handlers turn it into a
                     # response in the usual error shape.
-                    raise self._error()
+                    raise make_error()
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _error(self) -> APIError:
-        return APIError(413, f"The request body exceeds the limit of {self.max_bytes} bytes.",
+    @staticmethod
+    def _error(max_bytes: int) -> APIError:
+        return APIError(413, f"The request body exceeds the limit of {max_bytes} bytes.",
                         code="request_too_large")
-
-    def _too_large(self) -> Response:
-        error = self._error()
-        return error_response(error.status_code, error.message, error.type, code=error.code)
 
 
 # --------------------------------------------------------------------------------- embedding

@@ -13,7 +13,8 @@ sent to last request done), from `/metrics` (`flexserve:finetune_tokens_total{ph
 of the job), else from the job's `trained_tokens`. `--num-prompts 0 --duration S` measures the
 job alone for S seconds.
 
-The arrival process, dataset sampling and metric aggregation are plain functions (no server).
+The workload (datasets, arrival times) is in `bench_workload`, the metrics in `bench_metrics` and
+the fine-tuning job in `bench_finetune`; this module sends the requests and holds the options.
 """
 
 from __future__ import annotations
@@ -24,498 +25,35 @@ import itertools
 import json
 import math
 import os
-import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import httpx
 
-DATASET_NAMES = ("random", "sharegpt-like", "jsonl")
-# ShareGPT-like lengths: log-normal, parameters fitted by eye to published ShareGPT statistics
-# (vLLM and DistServe papers, Llama tokenizers: mean prompt ~160-230 tokens, mean output
-# ~200-340, both heavy-tailed). With mu = ln(median): mean = median * exp(sigma^2 / 2), so
-# 211 prompt and 264 output tokens before clipping.
-SHAREGPT_INPUT_MEDIAN = 128
-SHAREGPT_INPUT_SIGMA = 1.0
-SHAREGPT_OUTPUT_MEDIAN = 160
-SHAREGPT_OUTPUT_SIGMA = 1.0
-# The bounds vLLM's ShareGPT sampler filters by: at least 4 tokens each, prompts up to 1024.
-MIN_SAMPLED_LEN = 4
-MAX_SAMPLED_INPUT_LEN = 1024
-# Common English words, each one token (with its leading space) in GPT-2, Llama-3 and SmolLM2
-# style BPE vocabularies, so a prompt of N random words is about N tokens.
-PROMPT_WORDS = tuple("""
-the of and to in is it you that he was for on are with as his they be at one have this from or
-had by word but what some we can out other were all there when up use your how said an each she
-which do their time if will way about many then them write would like so these her long make
-thing see him two has look more day could go come did number sound no most people my over know
-water than call first who may down side been now find any new work part take get place made live
-where after back little only round man year came show every good me give our under name very
-through just form great think say help low line turn cause much mean before move right boy old
-too same tell does set three want air well also play small end put home read hand port large
-spell add even land here must big high such follow act why ask men change went light kind off
-need house picture try us again animal point mother world near build self earth father head stand
-own page should country found answer school grow study still learn plant cover food sun four
-thought let keep eye never last door between city tree cross since hard start might story saw far
-sea draw left late run while press close night real life few stop open seem together next white
-children begin got walk example ease paper often always music those both mark book letter until
-mile river car feet care second group carry took rain eat room friend began idea fish mountain
-north once base hear horse cut sure watch color face wood main enough plain girl usual young ready
-above ever red list though feel talk bird soon body dog family direct pose leave song measure
-state product black short class wind question happen complete ship area half rock order
-fire south problem piece told knew pass farm top whole king size heard best hour better true
-during hundred am remember step early hold west ground interest reach fast five sing listen six
-table travel less morning ten simple several vowel toward war lay against pattern slow center love
-person money serve appear road map science rule govern pull cold notice voice fall power town fine
-certain fly unit lead cry dark machine note wait plan figure star box noun field rest correct able
-pound done beauty drive stood contain front teach week final gave green oh quick develop sleep
-warm free minute strong special mind behind clear tail produce fact street inch lot nothing course
-stay wheel full force blue object decide surface deep moon island foot yet busy test record boat
-common gold possible plane age dry wonder laugh thousand ago ran check game shape yes hot miss
-brought heat snow bed bring sit perhaps fill east weight language among""".split())
-
-
-# ------------------------------------------------------------------------------------ datasets
-@dataclass(slots=True, frozen=True)
-class SampledRequest:
-    """One request to send, as the dataset made it."""
-
-    prompt: str  # the completion prompt, or the user message on the chat endpoint
-    prompt_len: int  # prompt tokens aimed for (words of a synthetic prompt); 0 when unknown
-    output_len: int  # max_tokens asked for (generated exactly when EOS is ignored)
-
-
-def random_text(rng: random.Random, num_words: int) -> str:
-    """`num_words` words drawn uniformly from PROMPT_WORDS, space separated."""
-    return " ".join(rng.choices(PROMPT_WORDS, k=num_words))
-
-
-def iter_random_requests(input_len: int, output_len: int, seed: int) -> Iterator[SampledRequest]:
-    """Endless prompts of `input_len` random words, each asking for `output_len` tokens."""
-    _check_min("input-len", input_len, 1)
-    _check_min("output-len", output_len, 1)
-    rng = random.Random(f"random-{seed}")
-    while True:
-        yield SampledRequest(random_text(rng, input_len), input_len, output_len)
-
-
-def sharegpt_like_lengths(seed: int, max_model_len: int) -> Iterator[tuple[int, int]]:
-    """Endless (prompt, output) lengths from the SHAREGPT_* log-normals, clipped so that
-    4 <= prompt <= min(1024, max_model_len // 2) and 4 <= output <= max_model_len - prompt."""
-    _check_min("max-model-len", max_model_len, 2 * MIN_SAMPLED_LEN)
-    rng = random.Random(f"sharegpt-like-{seed}")
-    max_input = min(MAX_SAMPLED_INPUT_LEN, max_model_len // 2)
-    while True:
-        prompt = rng.lognormvariate(math.log(SHAREGPT_INPUT_MEDIAN), SHAREGPT_INPUT_SIGMA)
-        output = rng.lognormvariate(math.log(SHAREGPT_OUTPUT_MEDIAN), SHAREGPT_OUTPUT_SIGMA)
-        num_prompt = min(max(round(prompt), MIN_SAMPLED_LEN), max_input)
-        num_output = min(max(round(output), MIN_SAMPLED_LEN), max_model_len - num_prompt)
-        yield num_prompt, num_output
-
-
-def iter_sharegpt_like_requests(seed: int, max_model_len: int,
-                                max_output_len: int | None = None) -> Iterator[SampledRequest]:
-    """Endless random-word prompts with ShareGPT-like lengths (see `sharegpt_like_lengths`);
-    `max_output_len` caps the outputs further (a benchmark's drain time)."""
-    rng = random.Random(f"sharegpt-like-text-{seed}")
-    for num_prompt, num_output in sharegpt_like_lengths(seed, max_model_len):
-        if max_output_len is not None:
-            num_output = min(num_output, max_output_len)
-        yield SampledRequest(random_text(rng, num_prompt), num_prompt, num_output)
-
-
-def load_jsonl_requests(path: str, output_len: int) -> list[SampledRequest]:
-    """`{"prompt": text}` per line, optionally with `"output_len": n` (else `output_len`);
-    ValueError naming the file and line of a bad one."""
-    requests: list[SampledRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from e
-            if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) \
-                    or not item["prompt"]:
-                raise ValueError(f'{where}: expected {{"prompt": "non-empty text"}}, optionally '
-                                 f'with "output_len": n')
-            unknown = sorted(set(item) - {"prompt", "output_len"})
-            if unknown:
-                raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
-            n = item.get("output_len", output_len)
-            if type(n) is not int or n < 1:
-                raise ValueError(f"{where}: output_len must be an integer >= 1, got {n!r}")
-            requests.append(SampledRequest(item["prompt"], 0, n))
-    if not requests:
-        raise ValueError(f"{path} has no prompts")
-    return requests
-
-
-# ------------------------------------------------------------------------------------ arrivals
-def iter_arrival_times(request_rate: float, burstiness: float, seed: int) -> Iterator[float]:
-    """Endless send times in seconds from the start: gamma inter-arrivals of shape `burstiness`
-    and mean 1 / `request_rate` (burstiness 1: a Poisson process); all 0 for an infinite rate."""
-    if not request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (or inf), got {request_rate}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"--burstiness must be a finite number > 0, got {burstiness}")
-    if math.isinf(request_rate):
-        yield from itertools.repeat(0.0)
-        return
-    rng = random.Random(f"arrivals-{seed}")
-    scale = 1.0 / (request_rate * burstiness)  # mean of gamma(k, theta) is k * theta
-    t = 0.0
-    while True:
-        t += rng.gammavariate(burstiness, scale)
-        yield t
-
-
-def arrival_times(num_requests: int, request_rate: float, burstiness: float,
-                  seed: int) -> list[float]:
-    """The first `num_requests` send times of `iter_arrival_times`."""
-    return list(itertools.islice(iter_arrival_times(request_rate, burstiness, seed),
-                                 num_requests))
-
-
-# ------------------------------------------------------------------------------------ metrics
-@dataclass(slots=True)
-class RequestRecord:
-    """What the client measured for one request (times in seconds)."""
-
-    index: int  # position in the send order
-    tenant: str | None  # the `user` field it was sent with
-    scheduled_s: float  # planned send time, from the benchmark start
-    expected_prompt_len: int  # prompt tokens the dataset aimed for (0: unknown)
-    max_tokens: int  # output tokens asked for
-    sent_s: float = 0.0  # actual send time, from the benchmark start
-    ttft_s: float | None = None  # to the first chunk carrying text
-    itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
-    e2e_s: float | None = None  # to the end of the stream
-    prompt_tokens: int = 0  # from the usage chunk
-    output_tokens: int = 0  # from the usage chunk, else the number of text chunks
-    error: str | None = None  # why it failed; None when it completed
-
-    @property
-    def success(self) -> bool:
-        return self.error is None and self.e2e_s is not None and self.ttft_s is not None
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(e2e - ttft) / (output_tokens - 1); None for failed or one-token requests."""
-        if not self.success or self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)  # type: ignore[operator]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_s": self.tpot_s}
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def summarize(values: Sequence[float], percentiles: Sequence[float]) -> dict[str, float | None]:
-    """mean, median, std and each `p<q>` of `values`; None everywhere when there are none."""
-    keys = ["mean", "median", "std", *(f"p{q:g}" for q in percentiles)]
-    if not values:
-        return dict.fromkeys(keys)
-    mean = sum(values) / len(values)
-    stats: dict[str, float | None] = {
-        "mean": mean, "median": percentile(values, 50),
-        "std": math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)),
-    }
-    stats.update({f"p{q:g}": percentile(values, q) for q in percentiles})
-    return stats
-
-
-def aggregate_metrics(records: Sequence[RequestRecord], duration_s: float,
-                      percentiles: Sequence[float] = (50, 90, 99),
-                      slo_ttft_ms: float | None = None,
-                      slo_tpot_ms: float | None = None) -> dict[str, Any]:
-    """Totals, throughputs, latency statistics (ms), SLO attainment and goodput of a run.
-
-    A one-token request has no TPOT (it is left out of the TPOT statistics) and meets any TPOT
-    SLO, as in vLLM. Attainment is over completed requests; failed ones are counted apart.
-    """
-    done = [r for r in records if r.success]
-    ms = lambda values: [v * 1000.0 for v in values]  # noqa: E731
-    num_input = sum(r.prompt_tokens for r in done)
-    num_output = sum(r.output_tokens for r in done)
-    per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
-    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    slos = {"ttft": slo_ttft_ms, "tpot": slo_tpot_ms}
-    meets: dict[str, list[bool]] = {}
-    for name, slo in slos.items():
-        if slo is not None:
-            value = (lambda r: r.ttft_s) if name == "ttft" else (lambda r: r.tpot_s or 0.0)
-            meets[name] = [value(r) * 1000.0 <= slo for r in done]
-    num_good = sum(all(ok) for ok in zip(*meets.values())) if meets else None
-    return {
-        "num_completed": len(done),
-        "num_failed": len(records) - len(done),
-        "duration_s": duration_s,
-        "total_input_tokens": num_input,
-        "total_output_tokens": num_output,
-        "request_throughput": per_s(len(done)),
-        "output_throughput": per_s(num_output),
-        "total_token_throughput": per_s(num_input + num_output),
-        "ttft_ms": summarize(ms(r.ttft_s for r in done), percentiles),
-        "tpot_ms": summarize(ms(tpots), percentiles),
-        "itl_ms": summarize(ms(g for r in done for g in r.itl_s), percentiles),
-        "e2e_ms": summarize(ms(r.e2e_s for r in done), percentiles),
-        "slo_ms": {k: v for k, v in slos.items() if v is not None},
-        "slo_attainment": {k: (sum(v) / len(v) if v else None) for k, v in meets.items()},
-        "goodput": None if num_good is None else per_s(num_good),
-    }
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """vLLM-style text table of a result (`benchmark`'s return value)."""
-    m = result["metrics"]
-    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
-
-    def row(label: str, value: Any, fmt: str = ".2f") -> None:
-        text = "n/a" if value is None else (format(value, fmt) if fmt else str(value))
-        lines.append(f"{label:<40} {text:>9}")
-
-    row("Successful requests:", m["num_completed"], "")
-    row("Failed requests:", m["num_failed"], "")
-    row("Benchmark duration (s):", m["duration_s"])
-    row("Total input tokens:", m["total_input_tokens"], "")
-    row("Total generated tokens:", m["total_output_tokens"], "")
-    row("Request throughput (req/s):", m["request_throughput"])
-    row("Output token throughput (tok/s):", m["output_throughput"])
-    row("Total token throughput (tok/s):", m["total_token_throughput"])
-    for name, slo in m["slo_ms"].items():
-        row(f"{name.upper()} SLO attainment (<= {slo:g} ms):",
-            None if m["slo_attainment"][name] is None else 100 * m["slo_attainment"][name], ".1f")
-    if m["goodput"] is not None:
-        row("Request goodput (req/s):", m["goodput"])
-    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
-                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
-                              ("itl_ms", "Inter-token Latency", "ITL"),
-                              ("e2e_ms", "End-to-end Latency", "E2EL")):
-        lines.append("{s:{c}^50}".format(s=title, c="-"))
-        for stat, value in m[key].items():
-            if stat != "std":
-                label = stat.capitalize() if stat in ("mean", "median") else stat.upper()
-                row(f"{label} {short} (ms):", value)
-    finetune = result.get("finetune")
-    if finetune:
-        lines.append("{s:{c}^50}".format(s="Fine-tuning", c="-"))
-        row("Job:", finetune["job_id"], "")
-        row("Status at the end:", finetune["status"], "")
-        row("Trained tokens in the window:", finetune["trained_tokens"], "")
-        row("Fine-tuning throughput (tok/s):", finetune["tokens_per_s"])
-        if finetune.get("error"):
-            lines.append(f"Job error: {finetune['error']}")
-    if result["errors"]:
-        lines.append("{s:{c}^50}".format(s="First errors", c="-"))
-        lines.extend(result["errors"])
-    lines.append("=" * 50)
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------- fine-tuning
-_PENDING_JOB_STATES = ("validating_files", "queued")
-_ENDED_JOB_STATES = ("succeeded", "failed", "cancelled")
-
-
-@dataclass(slots=True, frozen=True)
-class FinetuneSample:
-    """One look at the fine-tuning job."""
-
-    time_s: float  # time.perf_counter() when it was read
-    status: str  # the job's status
-    trained_tokens: int | None  # the job object's; None when it reports none
-    metrics_tokens: dict[str, float]  # flexserve:finetune_tokens_total of the job, per phase
-
-
-def finetune_tokens_per_s(first: FinetuneSample, last: FinetuneSample) -> tuple[int, float, str]:
-    """(tokens, tokens/s, source) between two samples. /metrics' forward-phase counter of the
-    job comes first: it moves with every window, while a job object's trained_tokens moves only
-    at checkpoints and at the end (OpenAI's semantics). Without either, 0 from "none"."""
-    elapsed = last.time_s - first.time_s
-    if "forward" in last.metrics_tokens:
-        num = int(last.metrics_tokens["forward"] - first.metrics_tokens.get("forward", 0.0))
-        source = "metrics.finetune_tokens_total"
-    elif first.trained_tokens is not None and last.trained_tokens is not None:
-        num, source = last.trained_tokens - first.trained_tokens, "job.trained_tokens"
-    else:
-        num, source = 0, "none"
-    return num, (num / elapsed if elapsed > 0 else 0.0), source
-
-
-class FinetuneMonitor:
-    """Uploads a training file, starts a LoRA job, samples its progress, and cancels it."""
-
-    def __init__(self, client: httpx.AsyncClient, model: str, path: str,
-                 hyperparameters: dict[str, Any], lora: dict[str, Any], seed: int,
-                 poll_interval_s: float = 1.0, keep: bool = False) -> None:
-        if not os.path.isfile(path):
-            raise ValueError(f"--finetune-file {path!r} is not a file")
-        self.client, self.model, self.path = client, model, path
-        self.hyperparameters, self.lora, self.seed = hyperparameters, lora, seed
-        self.poll_interval_s, self.keep = poll_interval_s, keep
-        self.job_id = ""
-        self.samples: list[FinetuneSample] = []
-        self._error: str | None = None  # the job's error message, once it has one
-        self._poller: asyncio.Task[None] | None = None
-        self._stop = asyncio.Event()  # set at the end of the window: the poller returns
-
-    @classmethod
-    def from_args(cls, client: httpx.AsyncClient, model: str,
-                  args: argparse.Namespace) -> FinetuneMonitor:
-        hyperparameters = {"n_epochs": args.finetune_n_epochs,
-                           "batch_size": args.finetune_batch_size}
-        if args.finetune_max_seq_len is not None:
-            hyperparameters["max_seq_len"] = args.finetune_max_seq_len
-        lora = {"r": args.finetune_lora_r, "alpha": args.finetune_lora_alpha,
-                "target_modules": list(args.finetune_target_modules)}
-        return cls(client, model, args.finetune_file, hyperparameters, lora, args.seed,
-                   args.finetune_poll_interval, args.finetune_keep)
-
-    async def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        response = await self.client.request(method, path, **kwargs)
-        if response.status_code != 200:
-            raise ValueError(f"{method} {path}: {_error_message(response, response.content)}")
-        return response.json()
-
-    async def submit(self, timeout_s: float = 300.0) -> str:
-        """Upload, create the job, and wait until it leaves validating_files/queued."""
-        with open(self.path, "rb") as f:
-            content = f.read()
-        uploaded = await self._call(
-            "POST", "/v1/files", data={"purpose": "fine-tune"},
-            files={"file": (os.path.basename(self.path), content, "application/jsonl")})
-        job = await self._call("POST", "/v1/fine_tuning/jobs", json={
-            "model": self.model, "training_file": uploaded["id"],
-            "hyperparameters": self.hyperparameters, "suffix": "bench-serve",
-            "seed": self.seed, "lora": self.lora})
-        self.job_id = job["id"]
-        deadline = time.monotonic() + timeout_s
-        while job["status"] in _PENDING_JOB_STATES:
-            if time.monotonic() > deadline:
-                raise ValueError(f"fine-tuning job {self.job_id} is still {job['status']} "
-                                 f"after {timeout_s:g} s")
-            await asyncio.sleep(0.2)
-            job = await self._call("GET", f"/v1/fine_tuning/jobs/{self.job_id}")
-        return self.job_id
-
-    async def sample(self) -> FinetuneSample:
-        """The job's status and trained tokens now, with its /metrics counters."""
-        job = await self._call("GET", f"/v1/fine_tuning/jobs/{self.job_id}")
-        phases: dict[str, float] = {}
-        response = await self.client.get("/metrics")
-        if response.status_code == 200:
-            from prometheus_client.parser import text_string_to_metric_families
-
-            for family in text_string_to_metric_families(response.text):
-                for s in family.samples:
-                    if s.name == "flexserve:finetune_tokens_total" \
-                            and s.labels.get("job_id") == self.job_id:
-                        phase = s.labels.get("phase", "")
-                        phases[phase] = phases.get(phase, 0.0) + s.value
-        trained = job.get("trained_tokens")
-        sample = FinetuneSample(time.perf_counter(), job["status"],
-                                None if trained is None else int(trained), phases)
-        self.samples.append(sample)
-        error = job.get("error")
-        self._error = error.get("message") if isinstance(error, dict) else error
-        return sample
-
-    async def _poll(self, stop: asyncio.Event) -> None:
-        # Stopped between samples, never inside one, so every job read is in `samples`.
-        while True:
-            try:
-                await asyncio.wait_for(stop.wait(), self.poll_interval_s)
-                return
-            except asyncio.TimeoutError:
-                pass
-            if (await self.sample()).status in _ENDED_JOB_STATES:
-                return
-
-    async def begin_window(self) -> None:
-        """First sample of the measured window; then a sample every poll interval."""
-        self.samples.clear()
-        await self.sample()
-        self._stop = asyncio.Event()
-        self._poller = asyncio.create_task(self._poll(self._stop))
-
-    async def end_window(self) -> dict[str, Any]:
-        """Last sample, cancel the job (unless kept), and the window's report."""
-        if self._poller is not None:
-            self._stop.set()
-            # A failed poll is not fatal: the last sample below reads the job again.
-            await asyncio.gather(self._poller, return_exceptions=True)
-        last = await self.sample()
-        first = self.samples[0]
-        cancelled = False
-        if not self.keep and last.status not in _ENDED_JOB_STATES:
-            await self._call("POST", f"/v1/fine_tuning/jobs/{self.job_id}/cancel")
-            cancelled = True
-        num, rate, source = finetune_tokens_per_s(first, last)
-        return {
-            "job_id": self.job_id, "status": last.status, "error": self._error,
-            "cancelled_at_end": cancelled, "window_s": last.time_s - first.time_s,
-            "trained_tokens": num, "tokens_per_s": rate, "source": source,
-            "hyperparameters": self.hyperparameters, "lora": self.lora,
-            "samples": [{"t_s": s.time_s - first.time_s, "status": s.status,
-                         "trained_tokens": s.trained_tokens, "metrics_tokens": s.metrics_tokens}
-                        for s in self.samples],
-        }
-
-    async def cancel_quietly(self) -> None:
-        """Cancel the job if one was created (a benchmark that failed); errors are ignored."""
-        if self._poller is not None:
-            self._poller.cancel()
-        if self.job_id and not self.keep:
-            try:
-                await self.client.post(f"/v1/fine_tuning/jobs/{self.job_id}/cancel")
-            except httpx.HTTPError:
-                pass
-
-
-def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--finetune-*`: the job `bench serve` runs alongside the traffic."""
-    group = parser.add_argument_group("fine-tuning job during the run")
-    group.add_argument("--finetune-file", default=None,
-                       help="training JSONL: upload it and start a LoRA job before the traffic")
-    group.add_argument("--finetune-lora-r", type=int, default=16, help="[%(default)s]")
-    group.add_argument("--finetune-lora-alpha", type=float, default=32.0, help="[%(default)s]")
-    group.add_argument("--finetune-target-modules", nargs="+", default=["down_proj"],
-                       help="[down_proj, FlexLLM's setup]")
-    group.add_argument("--finetune-n-epochs", type=int, default=1, help="[%(default)s]")
-    group.add_argument("--finetune-batch-size", type=int, default=8, help="[%(default)s]")
-    group.add_argument("--finetune-max-seq-len", type=int, default=None,
-                       help="longer examples are truncated [the server's default]")
-    group.add_argument("--finetune-poll-interval", type=float, default=1.0,
-                       help="seconds between samples of the job [%(default)s]")
-    group.add_argument("--finetune-keep", action="store_true",
-                       help="leave the job running at the end (default: cancel it)")
+from flexserve.entrypoints.bench_finetune import (
+    FinetuneMonitor,
+    add_finetune_arguments,
+    error_message,
+)
+from flexserve.entrypoints.bench_metrics import RequestRecord, aggregate_metrics, format_report
+from flexserve.entrypoints.bench_workload import (
+    DATASET_NAMES,
+    SHAREGPT_INPUT_MEDIAN,
+    SHAREGPT_INPUT_SIGMA,
+    SHAREGPT_OUTPUT_MEDIAN,
+    SHAREGPT_OUTPUT_SIGMA,
+    SampledRequest,
+    check_min,
+    iter_arrival_times,
+    iter_random_requests,
+    iter_sharegpt_like_requests,
+    load_jsonl_requests,
+)
 
 
 # ------------------------------------------------------------------------------------ client
-def _error_message(response: httpx.Response, body: bytes) -> str:
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = body.decode("utf-8", "replace")[:300]
-    return f"HTTP {response.status_code}: {message}"
-
-
 def _request_body(endpoint: str, model: str, sampled: SampledRequest, tenant: str | None,
                   ignore_eos: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
@@ -551,7 +89,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict[str,
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
-                record.error = _error_message(response, await response.aread())
+                record.error = error_message(response, await response.aread())
                 return record
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -592,6 +130,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict[str,
     return record
 
 
+# ------------------------------------------------------------------------------------ runner
 async def _served_model(client: httpx.AsyncClient, model: str | None) -> tuple[str, int | None]:
     """The model to benchmark (default: the first listed) and its max_model_len if listed."""
     try:
@@ -599,7 +138,7 @@ async def _served_model(client: httpx.AsyncClient, model: str | None) -> tuple[s
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach the server at {client.base_url}: {e}") from e
     if response.status_code != 200:
-        raise ValueError(f"GET /v1/models: {_error_message(response, response.content)}")
+        raise ValueError(f"GET /v1/models: {error_message(response, response.content)}")
     cards = response.json().get("data") or []
     if model is None:
         if not cards:
@@ -617,11 +156,6 @@ def _request_stream(args: argparse.Namespace, max_model_len: int) -> Iterator[Sa
     if not args.dataset_path:
         raise ValueError("--dataset-name jsonl needs --dataset-path")
     return itertools.cycle(load_jsonl_requests(args.dataset_path, args.output_len))
-
-
-def _check_min(name: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise ValueError(f"--{name} must be >= {minimum}, got {value}")
 
 
 def _check_args(args: argparse.Namespace) -> int | None:
@@ -642,9 +176,9 @@ def _check_args(args: argparse.Namespace) -> int | None:
         raise ValueError("--num-prompts 0 measures a fine-tuning job alone: it needs "
                          "--finetune-file and --duration")
     if args.max_concurrency is not None:
-        _check_min("max-concurrency", args.max_concurrency, 1)
+        check_min("max-concurrency", args.max_concurrency, 1)
     if args.tenants is not None:
-        _check_min("tenants", args.tenants, 1)
+        check_min("tenants", args.tenants, 1)
     return num
 
 

@@ -1,13 +1,18 @@
 """One error shape for every failure, OpenAI's: `{"error": {"message", "type", "param", "code"}}`.
 
 Invalid JSON, schema violations and bad values are 400 (never FastAPI-style 422), an unknown
-model or LoRA adapter is 404, a bad API key 401, an oversized body 413.
+model or LoRA adapter is 404, a bad API key 401, an oversized body 413, a request past
+--request-timeout-s 408, one whose processing failed 500 `request_failed`. An unexpected
+exception is a 500 whose body says only that, with an error id (also in the `x-request-id`
+header): the stack trace and whatever the exception's message holds (local paths, tensor
+shapes) go to the server log under that id, never to the client.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import secrets
 from http import HTTPStatus
 
 from pydantic import ValidationError
@@ -16,7 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from flexserve.engine.adapter_manager import AdapterLoadError, AdapterNotFoundError
-from flexserve.engine.async_engine import EngineDeadError
+from flexserve.engine.async_engine import (
+    EngineDeadError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from flexserve.entrypoints.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -36,6 +45,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.error_id: str | None = None  # set on internal errors: the id in the server log
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -66,17 +76,42 @@ def to_api_error(e: Exception) -> APIError:
         return e
     if isinstance(e, AdapterNotFoundError):
         return APIError(404, str(e), param="model", code="model_not_found")
-    if isinstance(e, AdapterLoadError):
-        return APIError(500, str(e), "server_error", code="lora_load_failed")
+    if isinstance(e, AdapterLoadError):  # its reason may name server-side files: log it
+        error_id = new_error_id()
+        logger.error("LoRA adapter load failed (%s): %s", error_id, e)
+        error = APIError(500, f"The request's LoRA adapter could not be loaded (error id "
+                              f"{error_id}); the server logged the details.", "server_error",
+                         code="lora_load_failed")
+        error.error_id = error_id
+        return error
     if isinstance(e, ValidationError):
         return validation_error(e)
     if isinstance(e, ValueError):
         return value_error(e)
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "server_error", code="engine_dead")
-    logger.error("request failed: %s: %s", type(e).__name__, e)
-    return APIError(500, f"Internal server error: {type(e).__name__}", "server_error",
-                    code="internal_error")
+    if isinstance(e, RequestTimeoutError):
+        return APIError(408, str(e), "timeout_error", code="request_timeout")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), "server_error", code="request_failed")
+    return internal_error(e)
+
+
+def internal_error(e: BaseException, where: str = "") -> APIError:
+    """A generic 500 for an unexpected exception: its trace is logged under a fresh error id,
+    which is all the client learns (besides that it was the server's fault)."""
+    error_id = new_error_id()
+    logger.error("internal error %s%s", error_id, f" on {where}" if where else "",
+                 exc_info=(type(e), e, e.__traceback__))
+    error = APIError(500, f"Internal server error (error id {error_id}); the server logged the "
+                          "details.", "server_error", code="internal_error")
+    error.error_id = error_id
+    return error
+
+
+def new_error_id() -> str:
+    """An id that ties a client-visible error to its server log entry."""
+    return f"err-{secrets.token_hex(8)}"
 
 
 def value_error(e: ValueError, fields: set[str] | frozenset[str] = frozenset()) -> APIError:
@@ -123,7 +158,8 @@ def _param_of(loc: tuple) -> str:
 # ----------------------------------------------------------------------------------- handlers
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+    headers = None if exc.error_id is None else {"x-request-id": exc.error_id}
+    return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -164,9 +200,7 @@ async def _engine_dead(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, f"Internal server error: {type(exc).__name__}", "server_error",
-                          None, "internal_error")
+    return await _api_error(request, internal_error(exc, f"{request.method} {request.url.path}"))
 
 
 EXCEPTION_HANDLERS = {
@@ -177,5 +211,7 @@ EXCEPTION_HANDLERS = {
     ValueError: _value_error,
     HTTPException: _http_exception,
     EngineDeadError: _engine_dead,
+    RequestTimeoutError: _to_api_error,
+    RequestFailedError: _to_api_error,
     Exception: _internal_error,
 }

@@ -39,6 +39,10 @@ def add_profile_parser(commands: Any) -> argparse.ArgumentParser:
                        help="timed runs per iteration shape; the median counts [%(default)s]")
     group.add_argument("--warmup", type=int, default=1,
                        help="untimed runs per shape before those [%(default)s]")
+    group.add_argument("--finetune-target-modules", nargs="+", default=None, metavar="MODULE",
+                       help="the LoRA targets of the profiling job; a linear that no job targets "
+                            "skips its LoRA kernels, so profile what the jobs will train "
+                            "[all seven projections: the most expensive job]")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
@@ -54,13 +58,10 @@ def profile(args: argparse.Namespace) -> int:
     from flexserve.config import LoRAConfig, flexserve_home
     from flexserve.engine.latency_model import profile_path
     from flexserve.entrypoints.cli import apply_state_dir, engine_config_from_args
+    from flexserve.finetune.hyperparameters import Hyperparameters
     from flexserve.worker.builder import build_executor
-    from flexserve.worker.profiler import (
-        ProfileGrid,
-        device_name,
-        fit_profile,
-        profile_executor,
-    )
+    from flexserve.worker.profile_grid import ProfileGrid
+    from flexserve.worker.profiler import device_name, fit_profile, profile_executor
 
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and "
@@ -79,10 +80,14 @@ def profile(args: argparse.Namespace) -> int:
                 "scenarios, %d timed runs each after %d warm-up", info.name, info.dtype,
                 info.num_layers, device, len(grid.inference), len(grid.finetune), args.repeats,
                 args.warmup)
+    targets = args.finetune_target_modules
+    if targets is not None:
+        Hyperparameters.from_dict({"lora": {"target_modules": targets}})  # ValueError if unknown
     result = profile_executor(executor, info, grid, repeats=args.repeats, warmup=args.warmup,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, target_modules=targets)
     metadata = {
         "device_name": device, "model": info.name, "dtype": info.dtype,
+        "finetune_target_modules": targets or "all",
         "num_layers": info.num_layers, "created": time.time(), "flexserve_version": __version__,
         "quick": args.quick, "repeats": args.repeats, "warmup": args.warmup,
         "grid": grid.to_dict(),

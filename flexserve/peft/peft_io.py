@@ -64,13 +64,12 @@ def resolve_adapter_dir(path: str, allowed_dir: str | None = None) -> str:
     if not isinstance(path, str) or not path:
         raise ValueError("the adapter path must be a non-empty string")
     real = os.path.realpath(os.path.expanduser(path))
-    if allowed_dir is not None:
-        allowed = os.path.realpath(os.path.expanduser(allowed_dir))
-        if os.path.commonpath([real, allowed]) != allowed:
-            raise ValueError(
-                f"adapter path {path!r} is outside the allowed adapter directory "
-                f"(--allowed-adapter-dir {allowed})"
-            )
+    if allowed_dir is not None and not _is_inside(real, allowed_dir):
+        # The allowed directory itself is not named: error bodies never show server paths.
+        raise ValueError(
+            f"adapter path {path!r} is outside the allowed adapter directory "
+            "(--allowed-adapter-dir)"
+        )
     if not os.path.exists(real):
         raise ValueError(f"adapter directory {path!r} does not exist")
     if not os.path.isdir(real):
@@ -78,18 +77,43 @@ def resolve_adapter_dir(path: str, allowed_dir: str | None = None) -> str:
     return real
 
 
-def read_adapter_config(path: str) -> dict[str, Any]:
-    """The parsed adapter_config.json of a directory; ValueError when missing or malformed."""
-    config_path = os.path.join(path, ADAPTER_CONFIG_NAME)
+def _is_inside(real_path: str, directory: str) -> bool:
+    """`real_path` (already resolved) lies in `directory` (resolved here: symlinks, `..`, `~`)."""
+    allowed = os.path.realpath(os.path.expanduser(directory))
+    return os.path.commonpath([real_path, allowed]) == allowed
+
+
+def adapter_file(directory: str, name: str, allowed_dir: str | None = None) -> str:
+    """The real path of file `name` of an adapter directory. With `allowed_dir`, a file that is a
+    symlink resolving outside it is refused (ValueError): checking the directory alone would let
+    `adapter_model.safetensors -> /elsewhere/...` read any file the server can."""
+    real = os.path.realpath(os.path.join(directory, name))
+    if allowed_dir is not None and not _is_inside(real, allowed_dir):
+        raise ValueError(f"{name} of the adapter links outside the allowed adapter directory "
+                         "(--allowed-adapter-dir)")
+    return real
+
+
+def _reason(e: BaseException) -> str:
+    """An I/O error's reason without the path it names (error bodies never show server paths)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e)
+
+
+def read_adapter_config(path: str, allowed_dir: str | None = None) -> dict[str, Any]:
+    """The parsed adapter_config.json of a directory; ValueError when missing or malformed, or
+    (with `allowed_dir`) when it links outside that directory."""
+    config_path = adapter_file(path, ADAPTER_CONFIG_NAME, allowed_dir)
     if not os.path.isfile(config_path):
-        raise ValueError(f"{ADAPTER_CONFIG_NAME} is missing in adapter directory {path!r}")
+        raise ValueError(f"{ADAPTER_CONFIG_NAME} is missing in the adapter directory")
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {config_path}: {e}") from e
+        raise ValueError(f"cannot read {ADAPTER_CONFIG_NAME}: {_reason(e)}") from e
     if not isinstance(config, dict):
-        raise ValueError(f"{config_path} must hold a JSON object")
+        raise ValueError(f"{ADAPTER_CONFIG_NAME} must hold a JSON object")
     return config
 
 
@@ -158,21 +182,21 @@ def load_peft_adapter(
     if unknown:
         raise ValueError(f"unknown peft type(s) {unknown}; known: {', '.join(PEFT_TYPES)}")
     real = resolve_adapter_dir(path, allowed_dir)
-    config = read_adapter_config(real)
+    config = read_adapter_config(real, allowed_dir)
     peft_type = config.get("peft_type", "LORA")
     if peft_type not in peft_types:
         raise ValueError(
             f"peft_type {peft_type!r} is not supported here; supported: {', '.join(peft_types)}"
         )
     if peft_type == "IA3":
-        return _load_ia3_adapter(real, config, shapes, num_layers, dtype)
+        return _load_ia3_adapter(real, config, shapes, num_layers, dtype, allowed_dir)
     options = parse_lora_config(config)
     rank = options["r"]
     if max_rank is not None and rank > max_rank:
         raise ValueError(
             f"the adapter's rank {rank} exceeds max_lora_rank {max_rank} (--max-lora-rank)"
         )
-    weights = _read_lora_weights(real)
+    weights = _read_lora_weights(real, allowed_dir)
     ranks = {a.shape[0] for a, _ in weights.values()}
     if ranks != {rank}:
         raise ValueError(
@@ -190,10 +214,11 @@ def load_peft_adapter(
     return adapter
 
 
-def _read_lora_weights(path: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _read_lora_weights(path: str, allowed_dir: str | None,
+                       ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     from safetensors import SafetensorError, safe_open
 
-    weights_path = _weights_file(path)
+    weights_path = _weights_file(path, allowed_dir)
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(weights_path, framework="pt", device="cpu") as f:
@@ -201,9 +226,9 @@ def _read_lora_weights(path: str) -> dict[tuple[int, str], tuple[torch.Tensor, t
                 layer, target, half = _parse_key(key)
                 halves.setdefault((layer, target), {})[half] = f.get_tensor(key)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read {weights_path}: {e}") from e
+        raise ValueError(f"cannot read {ADAPTER_WEIGHTS_NAME}: {_reason(e)}") from e
     if not halves:
-        raise ValueError(f"{weights_path} holds no LoRA weights")
+        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} holds no LoRA weights")
     weights = {}
     for (layer, target), pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
@@ -279,11 +304,12 @@ def _load_ia3_adapter(
     shapes: dict[str, tuple[int, int]] | None,
     num_layers: int | None,
     dtype: torch.dtype | None,
+    allowed_dir: str | None = None,
 ) -> IA3Adapter:
     from safetensors import SafetensorError, safe_open
 
     options = parse_ia3_config(config)
-    weights_path = _weights_file(path)
+    weights_path = _weights_file(path, allowed_dir)
     raw: dict[tuple[int, str], torch.Tensor] = {}
     try:
         with safe_open(weights_path, framework="pt", device="cpu") as f:
@@ -299,9 +325,9 @@ def _load_ia3_adapter(
                     )
                 raw[(int(layer), target)] = f.get_tensor(key)
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read {weights_path}: {e}") from e
+        raise ValueError(f"cannot read {ADAPTER_WEIGHTS_NAME}: {_reason(e)}") from e
     if not raw:
-        raise ValueError(f"{weights_path} holds no (IA)3 vectors")
+        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} holds no (IA)3 vectors")
     # PEFT stores l as [1, in] for a feed-forward module (input scaled) and [out, 1] otherwise.
     kinds: dict[str, bool] = {}
     weights = {}
@@ -332,15 +358,15 @@ def _load_ia3_adapter(
     return adapter
 
 
-def _weights_file(path: str) -> str:
-    weights_path = os.path.join(path, ADAPTER_WEIGHTS_NAME)
+def _weights_file(path: str, allowed_dir: str | None = None) -> str:
+    weights_path = adapter_file(path, ADAPTER_WEIGHTS_NAME, allowed_dir)
     if not os.path.isfile(weights_path):
         if os.path.isfile(os.path.join(path, "adapter_model.bin")):
             raise ValueError(
-                f"{ADAPTER_WEIGHTS_NAME} is missing in {path!r}: only safetensors adapters are "
+                f"{ADAPTER_WEIGHTS_NAME} is missing: only safetensors adapters are "
                 "supported (adapter_model.bin is a pickle, which is not loaded for safety)"
             )
-        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} is missing in adapter directory {path!r}")
+        raise ValueError(f"{ADAPTER_WEIGHTS_NAME} is missing in the adapter directory")
     return weights_path
 
 

@@ -6,7 +6,11 @@ before the shared forward (so the model's layers hand the windows' tensors to th
 `window_losses` after it, then `run_backward` (plan.backward_windows), `optimizer_steps` and
 `finish_sequences`. A job's adapter lives in one LoRA slot for the job's whole run, in the model's
 dtype, copied from the fp32 master weights after every optimizer step. A failing job is reported
-in the step result and dropped; the server and other jobs go on.
+in the step result and dropped; the server and other jobs go on. Any exception inside one job's
+work fails that job alone: a non-finite window loss or gradient norm (the job diverged), running
+out of device memory (its activations are dropped and the allocator's cache emptied, so
+inference and the other jobs get the memory back), or a bug. `inject_fault` poisons a job's next
+piece of work on purpose, for tests and fire drills.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from flexserve.worker.layer_backward import SequenceBackward, lora_grad_name
 from flexserve.worker.window_loss import window_loss
 
 logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("nan_loss", "nan_grad", "oom")  # what `FinetuneRunner.inject_fault` can poison
 
 
 @dataclass(slots=True)
@@ -144,6 +150,24 @@ class FinetuneRunner:
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
         self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
+        self._faults: dict[str, str] = {}  # job id -> fault to inject into its next work
+
+    def inject_fault(self, job_id: str, kind: str) -> None:
+        """Poison the job's next piece of work, to test that a failure stays with the job:
+        "nan_loss" makes its next window's final hidden states NaN (so the loss is NaN),
+        "nan_grad" its gradients NaN after its next backward window (so the optimizer step's
+        norm is NaN), "oom" raises `torch.cuda.OutOfMemoryError` in its next window loss or
+        backward window. Thread-safe enough for tests: one dict assignment."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+        self._faults[job_id] = kind
+
+    def _take_fault(self, job_id: str, kinds: tuple[str, ...]) -> str | None:
+        kind = self._faults.get(job_id)
+        if kind in kinds:
+            del self._faults[job_id]
+            return kind
+        return None
 
     # --------------------------------------------------------------------------------- jobs
     def add_job(self, spec: FinetuneJobSpec) -> PruningPlan:
@@ -169,6 +193,7 @@ class FinetuneRunner:
             self._count_bytes()
 
     def remove_job(self, job_id: str) -> None:
+        self._faults.pop(job_id, None)
         job = self.jobs.pop(job_id, None)
         if job is not None:
             job.sequences.clear()
@@ -240,8 +265,8 @@ class FinetuneRunner:
                                             self.block_size, job.spec.lora_slot,
                                             job.optimizer.grads)
                 job.sequences[start.sequence_id] = _Sequence(start, store, backward)
-            except (ValueError, RuntimeError) as e:
-                self._fail(start.job_id, e, errors)
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(start.job_id, e, errors, "starting a sequence")
         self._count_bytes()
 
     def capture_windows(self, windows: list[FinetuneWindow], first_row: int,
@@ -270,12 +295,23 @@ class FinetuneRunner:
             try:
                 start = seq.start
                 grad_out = seq.backward.residual_grad[window.start:window.end]
-                loss = window_loss(self.model, capture.final_stream(index), start.token_ids,
+                hidden = capture.final_stream(index)
+                fault = self._take_fault(window.job_id, ("nan_loss", "oom"))
+                if fault == "oom":
+                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
+                if fault == "nan_loss":
+                    hidden = hidden * float("nan")
+                loss = window_loss(self.model, hidden, start.token_ids,
                                    start.loss_mask, window.start, grad_out, start.loss_scale,
                                    self.loss_chunk_rows)
+                if not math.isfinite(loss.loss_sum):
+                    raise FloatingPointError(
+                        f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
+                        f"(tokens {window.start}-{window.end}): the job diverged; retry with a "
+                        "lower learning rate")
                 losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens)
-            except (ValueError, RuntimeError) as e:
-                self._fail(window.job_id, e, errors)
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(window.job_id, e, errors, "its forward window's loss")
 
     def run_backward(self, windows: list[BackwardWindow], errors: dict[str, str]) -> None:
         for window in windows:
@@ -283,9 +319,14 @@ class FinetuneRunner:
             if seq is None or window.job_id in errors:
                 continue
             try:
+                if self._take_fault(window.job_id, ("oom",)):
+                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
                 seq.backward.backward_window(window.layer, window.start, window.end)
-            except (ValueError, RuntimeError) as e:
-                self._fail(window.job_id, e, errors)
+                if self._take_fault(window.job_id, ("nan_grad",)):
+                    for grad in self.jobs[window.job_id].optimizer.grads.values():
+                        grad.fill_(float("nan"))
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(window.job_id, e, errors, "a backward window")
         self._count_bytes()
 
     def optimizer_steps(self, job_ids: list[str], grad_norms: dict[str, float],
@@ -301,8 +342,8 @@ class FinetuneRunner:
                         raise RuntimeError(f"the gradient norm is {norm}: the step diverged")
                     job.write_slot()
                 grad_norms[job_id] = norm
-            except (ValueError, RuntimeError) as e:
-                self._fail(job_id, e, errors)
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(job_id, e, errors, "its optimizer step")
 
     def finish_sequences(self, finished: list[tuple[str, int]]) -> None:
         for job_id, sequence_id in finished:
@@ -316,12 +357,26 @@ class FinetuneRunner:
         job = self.jobs.get(job_id)
         return None if job is None else job.sequences.get(sequence_id)
 
-    def _fail(self, job_id: str, error: Exception, errors: dict[str, str]) -> None:
-        logger.error("fine-tuning job %s failed: %s", job_id, error)
-        errors[job_id] = str(error)
+    def _fail(self, job_id: str, error: Exception, errors: dict[str, str], during: str) -> None:
+        """End the job's part of this step: the engine marks it failed with `errors[job_id]`."""
         job = self.jobs.get(job_id)
         if job is not None:
-            job.sequences.clear()
+            job.sequences.clear()  # its activation stores and gradient buffers go now
+        self._faults.pop(job_id, None)
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back to inference and jobs
+            message = (f"out of device memory during {during}: the job was stopped and its "
+                       "activations freed; retry it with a smaller batch_size or max_seq_len, "
+                       "or when the server is less busy")
+        elif isinstance(error, (ValueError, RuntimeError, FloatingPointError)):
+            message = str(error)
+        else:  # a bug: the trace goes to the log, the job's error names the exception
+            logger.exception("fine-tuning job %s: unexpected error during %s", job_id, during)
+            message = f"internal error during {during} ({type(error).__name__})"
+        logger.error("fine-tuning job %s failed: %s", job_id, message)
+        errors[job_id] = message
+        self._count_bytes()
 
     def _count_bytes(self) -> None:
         self.num_activation_bytes = sum(

@@ -74,7 +74,7 @@ class LoRAManager:
         """Read and validate an adapter from disk (no caching); ValueError with the reason."""
         adapter = load_peft_adapter(
             lora_request.lora_path, self.shapes, self.num_layers, self.config.max_lora_rank,
-            self.config.allowed_adapter_dir, dtype=self.dtype,
+            self.config.allowed_dir_for(lora_request.lora_path), dtype=self.dtype,
         )
         return adapter.to(pin_memory=self.device.type == "cuda")
 
