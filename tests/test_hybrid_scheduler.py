@@ -14,6 +14,7 @@ import pytest
 
 from flexserve.config import CacheConfig, CoserveConfig, SchedulerConfig
 from flexserve.engine.finetune_scheduler import FinetuneJobState, TrainingSequence
+from flexserve.engine.hybrid_scheduler import WINDOW_ALIGNMENT
 from flexserve.engine.latency_model import IterationShape, plan_shape
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
@@ -125,10 +126,10 @@ def test_idle_iterations_fill_the_slo_with_the_largest_window():
     plan = step(scheduler)
     (window,) = plan.finetune_windows
     n = window.end - window.start
-    # The largest s that fits: s fits, s + 1 does not.
-    assert 300 < n < BUDGET
+    # The largest aligned s that fits: s fits, s + WINDOW_ALIGNMENT does not.
+    assert 256 < n < BUDGET and n % WINDOW_ALIGNMENT == 0
     assert model.predict(plan_shape(plan)) <= LIMIT
-    assert model.predict(IterationShape(finetune_tokens=n + 1)) > LIMIT
+    assert model.predict(IterationShape(finetune_tokens=n + WINDOW_ALIGNMENT)) > LIMIT
 
 
 def test_backward_windows_fill_the_slo_when_idle():

@@ -84,8 +84,9 @@ class LatencyWindowSizer:
         cap = min(max_tokens, self.forward_left)
         if cap <= 0:
             return 0
-        n = max_window(lambda s: self.predict(self.shape + forward_window_shape(start, s)),
-                       self.limit_s, cap)
+        n = _aligned(max_window(
+            lambda s: self.predict(self.shape + forward_window_shape(start, s)),
+            self.limit_s, cap), cap)
         n = max(n, min(cap, math.ceil(self.floor_left)))
         if n:
             self.shape = self.shape + forward_window_shape(start, n)
@@ -98,14 +99,28 @@ class LatencyWindowSizer:
         cap = min(max_tokens, self.max_window_tokens, end)
         if cap <= 0:
             return 0
-        n = max_window(lambda s: self.predict(self.shape + backward_window_shape(end - s, end)),
-                       self.limit_s, cap)
+        n = _aligned(max_window(
+            lambda s: self.predict(self.shape + backward_window_shape(end - s, end)),
+            self.limit_s, cap), cap)
         n = max(n, min(cap, math.ceil(self.floor_left * self.num_layers)))
         if n:
             self.shape = self.shape + backward_window_shape(end - n, end)
             self.floor_left = max(self.floor_left - n / self.num_layers, 0.0)
             self.num_backward_tokens += n
         return n
+
+
+WINDOW_ALIGNMENT = 128  # window sizes the latency model picks are multiples of this
+
+
+def _aligned(n: int, cap: int) -> int:
+    """`n` rounded down to a multiple of WINDOW_ALIGNMENT, unless it is the whole `cap` (the rest
+    of a sequence) or smaller than one multiple. Windows of arbitrary sizes were 2-3x slower
+    than aligned ones of the same tokens (H200, Llama-3.1-8B: backward iterations of 8 windows,
+    16384 layer-tokens took 39 ms, of 8-9 windows with 14904-17757 tokens 95-120 ms)."""
+    if n >= cap or n < WINDOW_ALIGNMENT:
+        return n
+    return n - n % WINDOW_ALIGNMENT
 
 
 class VTCJobPicker:
