@@ -22,6 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _hf_training import train_hf_peft
+
 from flexserve import LLM, SamplingParams
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
@@ -139,30 +141,6 @@ def train(llm: LLM, jobs: list[tuple[TrainingData, Hyperparameters, str | None]]
     return initial, final, num_steps
 
 
-def reference(model_dir, adapter_dir, examples, steps, lr, dtype) -> dict[str, torch.Tensor]:
-    """HF transformers + peft + torch.optim.AdamW on the same steps (sequence by sequence)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    for step in steps:
-        n = sum(sum(examples[i].loss_mask) for i in step)
-        loss = 0.0
-        for i in step:
-            ids = torch.tensor([examples[i].input_ids])
-            ce = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:],
-                                                   reduction="sum")
-            loss = loss + ce / n
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k.replace(".default", ""): p.detach().double()
-            for k, p in model.named_parameters() if p.requires_grad}
-
-
 def change_error(ours: dict, truth: dict, initial: dict) -> float:
     """Relative error of the weight change (all tensors together) against `truth`'s change."""
     keys = sorted(truth)
@@ -181,8 +159,8 @@ def test_packing_is_faster_and_trains_the_same_adapter(model_dir, init_adapter, 
     # iteration per sequence), and whose 2 x ~40 backward token-layers take two more.
     assert (num_packed, num_unpacked) == (6, 14)
     steps = [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
-    truth = reference(model_dir, init_adapter, data.examples, steps, 1e-3, torch.float64)
-    hf32 = reference(model_dir, init_adapter, data.examples, steps, 1e-3, torch.float32)
+    truth = train_hf_peft(model_dir, init_adapter, data.examples, steps, 1e-3, torch.float64)
+    hf32 = train_hf_peft(model_dir, init_adapter, data.examples, steps, 1e-3, torch.float32)
     hf_error = change_error(hf32, truth, initial)
     packed_error = change_error(packed, truth, initial)
     unpacked_error = change_error(unpacked, truth, initial)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _hf_training import train_hf_peft
+
 from flexserve import LLM
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
@@ -21,29 +23,6 @@ from flexserve.finetune.hyperparameters import Hyperparameters
 pytestmark = [pytest.mark.gpu]
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
-
-
-def reference(model_dir, adapter_dir, examples, steps, lr, dtype):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model = PeftModel.from_pretrained(model, adapter_dir, is_trainable=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    for step in steps:
-        n = sum(sum(examples[i].loss_mask) for i in step)
-        loss = 0.0
-        for i in step:
-            ids = torch.tensor([examples[i].input_ids])
-            ce = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:],
-                                                   reduction="sum")
-            loss = loss + ce / n
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k.replace(".default", ""): p.detach().double()
-            for k, p in model.named_parameters() if p.requires_grad}
 
 
 def test_gpu_finetuning_equals_hf_peft(tiny_config, tiny_checkpoint, tmp_path):
@@ -86,8 +65,8 @@ def test_gpu_finetuning_equals_hf_peft(tiny_config, tiny_checkpoint, tmp_path):
     ours = {k: v.double() for k, v in load_file(str(tmp_path / "tuned/adapter_model.safetensors")).items()}
     initial = {k: v.double() for k, v in load_file(f"{adapter_dir}/adapter_model.safetensors").items()}
     steps = [[0, 1], [2, 3]]
-    truth = reference(model_dir, adapter_dir, examples, steps, lr, torch.float64)
-    hf32 = reference(model_dir, adapter_dir, examples, steps, lr, torch.float32)
+    truth = train_hf_peft(model_dir, adapter_dir, examples, steps, lr, torch.float64)
+    hf32 = train_hf_peft(model_dir, adapter_dir, examples, steps, lr, torch.float32)
     keys = sorted(truth)
 
     def rel(weights):
