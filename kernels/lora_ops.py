@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from flexserve_kernels import cuda_ext
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_ref import check_expand_args, check_shrink_args, lora_expand_ref, lora_shrink_ref
@@ -32,8 +33,9 @@ def lora_shrink(
     (one memset; layers should test `meta.has_lora` and skip both ops). `variant` forces "sgmv"
     or "bgmv" on the Triton path (e.g. a fixed grid for CUDA graphs); by default one-token
     segments (decode_only) and batches of at most BGMV_MAX_TOKENS tokens take BGMV, the rest
-    SGMV. Raises ValueError on mismatched shapes, dtypes, devices or a last dimension that is not
-    contiguous.
+    SGMV; a decode_only batch's BGMV runs on the CUDA C++ extension when it is available
+    (`flexserve_kernels.cuda_ext`, FLEXSERVE_LORA_DECODE_BACKEND). Raises ValueError on
+    mismatched shapes, dtypes, devices or a last dimension that is not contiguous.
     """
     if not meta.has_lora:
         return torch.zeros(x.shape[0], lora_a.shape[-2], dtype=torch.float32, device=x.device)
@@ -44,6 +46,8 @@ def lora_shrink(
     # The launchers check their inputs; checking here too would double ~3-4 us of host time.
     from flexserve_kernels import lora_shrink as kernels
 
+    if chosen == "bgmv" and cuda_ext.cuda_decode_wanted(x.device, meta):
+        return cuda_ext.lora_shrink_cuda(x, lora_a, meta.token_slots)
     if chosen == "bgmv":
         return kernels.lora_shrink_bgmv(x, lora_a, meta)
     return kernels.lora_shrink_sgmv(x, lora_a, meta)
@@ -74,6 +78,8 @@ def lora_expand(
         return lora_expand_ref(s, lora_b, meta, y, scaling)
     from flexserve_kernels import lora_expand as kernels
 
+    if chosen == "bgmv" and s.dtype == torch.float32 and cuda_ext.cuda_decode_wanted(y.device, meta):
+        return cuda_ext.lora_expand_cuda(s, lora_b, meta.token_slots, y, scaling)
     if chosen == "bgmv":
         return kernels.lora_expand_bgmv(s, lora_b, meta, y, scaling)
     return kernels.lora_expand_sgmv(s, lora_b, meta, y, scaling)

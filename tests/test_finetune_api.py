@@ -98,6 +98,12 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     return samples
 
 
+def engine_holds(server, job_id: str) -> bool:
+    """Whether the engine's scheduler or its worker still holds state of the job."""
+    llm = server.engine.engine
+    return job_id in llm.scheduler.finetune.jobs or job_id in llm.executor.finetune_runner.jobs
+
+
 def all_events(client, job_id: str) -> list:
     """Every event of a job, oldest first."""
     return list(reversed(client.fine_tuning.jobs.list_events(job_id, limit=1000).data))
@@ -182,6 +188,12 @@ def test_a_job_trains_serves_its_checkpoints_while_training_and_memorizes(client
 
     job = wait_for(client, job.id, lambda j: j.status == "succeeded")
     assert job.error is None and job.finished_at is not None
+    # The engine lets the ended job go: no scheduler state, no adapter masters or AdamW state on
+    # the worker (its checkpoints, on disk, are still served: see below).
+    deadline = time.monotonic() + 30
+    while engine_holds(server, job.id):
+        assert time.monotonic() < deadline, f"{job.id} is still on the engine"
+        time.sleep(0.05)
 
     events = all_events(client, job.id)
     messages = [e.message for e in events]
@@ -251,6 +263,7 @@ def test_queued_jobs_start_in_order_and_cancel_works(client, server, facts_file)
     assert cancelled.status == "cancelled" and cancelled.finished_at is not None
     cancelled = client.fine_tuning.jobs.cancel(long.id)
     assert cancelled.status == "cancelled"
+    assert not engine_holds(server, long.id)  # removed before the cancel call returned
     assert all_events(client, long.id)[-1].message == "The job was cancelled."
     steps_then = len(client.fine_tuning.jobs.checkpoints.list(long.id, limit=1000).data)
     assert steps_then < 500

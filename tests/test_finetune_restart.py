@@ -9,15 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
-import httpx
-import openai
 import torch
 from safetensors.torch import load_file
+
+from _server_process import ServerProcess
 
 from flexserve.engine.latency_model import IterationShape, LatencyModel
 
@@ -44,45 +41,16 @@ def constant_latency_profile(path: str) -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m flexserve.entrypoints.cli serve` in a subprocess, its log in a file."""
+class Server(ServerProcess):
+    """The server of these tests: per-step checkpoints, windows cut the same way in every run."""
 
     def __init__(self, model_dir: str, state_dir: str, log_path: str, profile: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--model", model_dir,
-             "--served-model-name", MODEL, "--state-dir", state_dir, "--port", str(self.port),
+        super().__init__(
+            ["--model", model_dir, "--served-model-name", MODEL, "--state-dir", state_dir,
              "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
              "--max-model-len", "256", "--kv-cache-gib", "0.05", "--checkpoint-every-steps", "1",
              "--latency-profile", profile, "--slo-tpot-ms", "1000000",
-             "--disable-log-stats", "--log-level", "warning"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.process.poll() is None, f"the server exited; see {log_path}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not start; see {log_path}"
-            time.sleep(0.2)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            self.process.wait(60)
-        self.log.close()
+             "--disable-log-stats", "--log-level", "warning"], log_path)
 
 
 def wait_for(client, job_id: str, predicate, timeout: float = 180.0):

@@ -430,3 +430,98 @@ def test_concurrent_writers_lose_nothing(store):
     for record in store.list_files():
         assert store.read_file(record.id) == f"{record.filename[:-6].replace('-', ' ')}\n".encode()
     assert isinstance(store.list_files()[0], FileRecord)
+
+
+# ------------------------------------------------------------------------------------- tenants
+def test_files_and_jobs_are_scoped_to_their_tenant(store, same_second):
+    alice = [store.add_file(f"a{i}.jsonl", "fine-tune", b"a\n", tenant="alice") for i in range(3)]
+    bob = store.add_file("b.jsonl", "fine-tune", b"b\n", tenant="bob")
+    anonymous = store.add_file("d.jsonl", "fine-tune", b"d\n")
+    assert (bob.tenant, anonymous.tenant) == ("bob", "default")
+    assert store.list_files(tenant="alice") == alice[::-1]
+    assert store.list_files(tenant="bob") == [bob]
+    assert store.list_files(tenant="default") == [anonymous]
+    assert store.list_files(tenant="carol") == []
+    assert store.list_files() == [anonymous, bob, *alice[::-1]]  # the service's own view
+    assert store.list_files(tenant="alice", after=alice[2].id, limit=1) == [alice[1]]
+    with pytest.raises(ValueError, match="after"):  # another tenant's id pages like no id
+        store.list_files(tenant="alice", after=bob.id)
+    assert store.get_file(bob.id, tenant="bob") == bob == store.get_file(bob.id)
+    assert store.get_file(bob.id, tenant="alice") is None
+    with pytest.raises(KeyError):
+        store.read_file(bob.id, tenant="alice")
+    assert store.read_file(bob.id, tenant="bob") == b"b\n"
+    assert store.delete_file(bob.id, tenant="alice") is False
+    assert os.path.exists(bob.path) and store.get_file(bob.id) == bob  # untouched
+    assert store.delete_file(bob.id, tenant="bob") is True
+
+    job = make_job(tenant="alice")
+    store.add_job(job)
+    assert store.get_job(job.id, tenant="alice") == job == store.get_job(job.id)
+    assert store.get_job(job.id, tenant="bob") is None
+
+
+def old_store(state_dir: str) -> tuple[str, str]:
+    """A state directory as schema version 1 wrote it (files without a tenant), with one file
+    and one job; returns their ids."""
+    root = os.path.join(state_dir, "finetune")
+    os.makedirs(os.path.join(root, "files"))
+    os.makedirs(os.path.join(root, "checkpoints"))
+    file_id, job_id = new_id("file"), new_id("ftjob")
+    with open(os.path.join(root, "files", f"{file_id}.jsonl"), "wb") as f:
+        f.write(b'{"text": "old"}\n')
+    conn = sqlite3.connect(os.path.join(root, "state.sqlite3"))
+    conn.executescript("""
+        CREATE TABLE files (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, filename TEXT NOT NULL,
+            purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,
+            status TEXT NOT NULL);
+        CREATE TABLE jobs (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, model TEXT NOT NULL,
+            training_file TEXT NOT NULL, validation_file TEXT, hyperparameters TEXT NOT NULL,
+            suffix TEXT, seed INTEGER NOT NULL, tenant TEXT NOT NULL, status TEXT NOT NULL,
+            created_at INTEGER NOT NULL, finished_at INTEGER, fine_tuned_model TEXT,
+            trained_tokens INTEGER, error TEXT, adapter_path TEXT, num_steps INTEGER,
+            step INTEGER NOT NULL, lora TEXT, integrations TEXT, metadata TEXT);
+        CREATE INDEX jobs_by_tenant ON jobs (tenant, seq);
+        CREATE INDEX jobs_by_status ON jobs (status, seq);
+        CREATE TABLE events (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, job_id TEXT NOT NULL,
+            created_at INTEGER NOT NULL, level TEXT NOT NULL, message TEXT NOT NULL,
+            type TEXT NOT NULL, data TEXT);
+        CREATE INDEX events_by_job ON events (job_id, seq);
+        CREATE TABLE checkpoints (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, job_id TEXT NOT NULL,
+            created_at INTEGER NOT NULL, step_number INTEGER NOT NULL, metrics TEXT NOT NULL,
+            fine_tuned_model_checkpoint TEXT NOT NULL, path TEXT NOT NULL);
+        CREATE INDEX checkpoints_by_job ON checkpoints (job_id, seq);
+        PRAGMA user_version=1;
+    """)
+    conn.execute("INSERT INTO files (id, filename, purpose, bytes, created_at, status) "
+                 "VALUES (?, 'old.jsonl', 'fine-tune', 16, 1700000000, 'processed')", (file_id,))
+    conn.execute("INSERT INTO jobs (id, model, training_file, hyperparameters, seed, tenant, "
+                 "status, created_at, step) VALUES (?, 'm', ?, '{}', 1, 'alice', 'succeeded', "
+                 "1700000000, 0)", (job_id, file_id))
+    conn.commit()
+    conn.close()
+    return file_id, job_id
+
+
+def test_a_version_1_store_is_migrated_in_place(tmp_path):
+    state_dir = str(tmp_path / "state")
+    file_id, job_id = old_store(state_dir)
+    with StateStore(state_dir) as s:
+        version = s._conn.execute("PRAGMA user_version").fetchone()[0]
+        assert version == store_module.SCHEMA_VERSION == 2
+        old = s.get_file(file_id)
+        assert (old.filename, old.bytes, old.tenant) == ("old.jsonl", 16, "default")
+        assert s.read_file(file_id, tenant="default") == b'{"text": "old"}\n'  # content kept
+        assert s.get_file(file_id, tenant="alice") is None
+        assert s.get_job(job_id, tenant="alice").training_file == file_id  # jobs had tenants
+        new = s.add_file("new.jsonl", "fine-tune", b"n\n", tenant="alice")
+        assert s.list_files(tenant="alice") == [new]
+        assert s.list_files(tenant="default") == [old]
+        indexes = {row[1] for row in s._conn.execute("PRAGMA index_list(files)")}
+        assert "files_by_tenant" in indexes
+    with StateStore(state_dir) as reopened:  # opening again migrates nothing more
+        assert reopened.list_files() == [new, old]

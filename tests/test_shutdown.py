@@ -15,15 +15,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
-import openai
+
+from _server_process import ServerProcess
 
 from flexserve.entrypoints.api_server import ServerThread, build_app
 from _fake_engine import MODEL as FAKE, FakeExecutor, fake_engine, wait_until
@@ -71,46 +68,20 @@ FACTS = [{"prompt": "The vault code is", "completion": " 42."},
 NUM_STEPS = 24  # 2 examples, batch 1, 12 epochs
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m flexserve.entrypoints.cli serve` in a subprocess, its log in a file."""
+class Server(ServerProcess):
+    """The server of the SIGTERM test: periodic checkpoints off, so a checkpoint found after the
+    restart can only come from the shutdown."""
 
     def __init__(self, model_dir: str, state_dir: str, log_path: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--model", model_dir,
-             "--served-model-name", MODEL, "--state-dir", state_dir, "--port", str(self.port),
+        super().__init__(
+            ["--model", model_dir, "--served-model-name", MODEL, "--state-dir", state_dir,
              "--enable-lora", "--max-loras", "2", "--max-lora-rank", "4",
              "--max-model-len", "128", "--kv-cache-gib", "0.05",
              "--checkpoint-every-steps", "1000", "--shutdown-grace-s", "60",
-             "--disable-log-stats", "--log-level", "info"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.process.poll() is None, f"the server exited; see {log_path}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not start; see {log_path}"
-            time.sleep(0.2)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+             "--disable-log-stats", "--log-level", "info"], log_path)
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
+        self.stop(signal.SIGKILL)
 
 
 def steps_logged(client, job_id: str) -> list[int]:

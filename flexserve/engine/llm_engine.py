@@ -334,6 +334,20 @@ class LLMEngine:
         self._release_finished_jobs()
         return job
 
+    def remove_finetune_job(self, job_id: str) -> None:
+        """Forget a finished job (succeeded, failed or cancelled) for good: its LoRA slot if it
+        still holds it, its scheduler state and the worker's (fp32 adapter masters and AdamW
+        state on the device). What it saved (adapters, checkpoints) is untouched; afterwards
+        `get_finetune_job` and the save methods no longer know it. ValueError for an unknown
+        job or one still running (cancel it first)."""
+        job = self.get_finetune_job(job_id)
+        if not job.finished:
+            raise ValueError(f"fine-tuning job {job_id!r} is still running: cancel it before "
+                             "removing it")
+        self._release_job(job)
+        self.scheduler.finetune.remove_job(job_id)
+        self.executor.remove_finetune_job(job_id)
+
     def get_finetune_job(self, job_id: str) -> FinetuneJobState:
         job = self.scheduler.finetune.jobs.get(job_id)
         if job is None:
@@ -365,13 +379,20 @@ class LLMEngine:
         return self.scheduler.finetune.has_work()
 
     def _release_finished_jobs(self) -> None:
-        adapters = self.scheduler.adapter_manager
         for job in self.scheduler.finetune.jobs.values():
-            if job.finished and not job.slot_released:
-                job.slot_released = True
-                self.executor.end_finetune_job(job.job_id)
-                if adapters is not None:
-                    adapters.release_slot(f"finetune:{job.job_id}")
+            if job.finished:
+                self._release_job(job)
+
+    def _release_job(self, job: FinetuneJobState) -> None:
+        """An ended job gives its LoRA slot back and drops its activations (its weights stay
+        on the worker for `save_finetune_*` until `remove_finetune_job`)."""
+        if job.slot_released:
+            return
+        job.slot_released = True
+        self.executor.end_finetune_job(job.job_id)
+        adapters = self.scheduler.adapter_manager
+        if adapters is not None:
+            adapters.release_slot(f"finetune:{job.job_id}")
 
     # ----------------------------------------------------------------------------------- LoRA
     @property

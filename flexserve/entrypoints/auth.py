@@ -3,7 +3,8 @@
 Keys come from `--api-key` (repeatable; `$FLEXSERVE_API_KEY`) and from `--api-key-file`, one a
 line: `key` or `tenant:key` (blank lines and `#` comments are skipped). A request must send
 `Authorization: Bearer <key>`; its key's tenant name goes on `request.state.tenant`, where the
-fair scheduler, the per-tenant limits and the fine-tuning jobs read it.
+fair scheduler, the per-tenant limits and the files and fine-tuning jobs API read it (a tenant
+sees only its own files and jobs: `owner_tenant`).
 
 The presented key is hashed once and its digest compared with every configured key's digest with
 `hmac.compare_digest`, with no early exit, so the time taken says nothing about which key (or
@@ -20,9 +21,11 @@ import re
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from flexserve.engine.fairness import DEFAULT_TENANT
 from flexserve.entrypoints.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -125,6 +128,13 @@ def read_api_key_file(path: str) -> list[tuple[str, str | None]]:
     if not pairs:
         raise ValueError(f"--api-key-file {path} holds no keys")
     return pairs
+
+
+def owner_tenant(request: Any) -> str:
+    """The tenant that owns what a request creates and may see (files, fine-tuning jobs): its
+    API key's tenant, else "default" (no keys, or a key without a tenant). Never the request's
+    `user` field, which any client may set to anything."""
+    return getattr(request.state, "tenant", None) or DEFAULT_TENANT
 
 
 def bearer_token(authorization: bytes | None) -> bytes | None:

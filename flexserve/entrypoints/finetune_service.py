@@ -14,6 +14,11 @@ hot-swapped: unregister + register in one engine-thread call) and every checkpoi
 `ft:<base>:<suffix>:<job_id>:ckpt-step-<N>`. A checkpoint's record is written after it is servable
 (and after its validation loss), so a recorded checkpoint is always complete.
 
+Cleanup: once a job's final status is recorded (after its last checkpoint, or the events of its
+cancellation or failure), the engine forgets it (`LLMEngine.remove_finetune_job`, on the engine
+thread): its scheduler state and the worker's adapter masters and AdamW state are freed. What
+stays is on disk and in the store: checkpoints, served by name, and the job's record and events.
+
 Restart (even after kill -9): running jobs resume from their newest recorded checkpoint (from
 scratch when they have none) and end with the same steps; queued jobs queue again; every
 checkpoint name and each job's newest adapter are registered again before any job resumes.
@@ -186,7 +191,7 @@ class FinetuneService:
             active = self._active[job_id]
             active.cancel_requested = True
             if active.on_engine:
-                await self.engine.call(self.engine.engine.cancel_finetune_job, job_id)
+                await self.engine.call(_cancel_on_engine, self.engine.engine, job_id)
                 active.items.put_nowait(_Item("cancelled"))
             await asyncio.shield(active.done)
         return await asyncio.to_thread(self.store.get_job, job_id)
@@ -264,7 +269,7 @@ class FinetuneService:
                 if active.cancel_requested:
                     await self._set_status(job_id, "cancelled", "The job was cancelled.",
                                            finished_at=int(time.time()))
-                    active.done.set_result(None)
+                    await self._let_go(job_id, active)
                 elif "LoRA slot" in str(e):  # requests pin every slot now: wait for one
                     await asyncio.sleep(_SLOT_RETRY_S)
                     continue
@@ -273,7 +278,7 @@ class FinetuneService:
                 return False
         active.on_engine = True
         if active.cancel_requested:
-            await self.engine.call(self.engine.engine.cancel_finetune_job, job_id)
+            await self.engine.call(_cancel_on_engine, self.engine.engine, job_id)
             active.items.put_nowait(_Item("cancelled"))
         message = (f"Fine-tuning job resumed from step {latest.step_number} (checkpoint "
                    f"{latest.fine_tuned_model_checkpoint})" if latest is not None
@@ -363,12 +368,12 @@ class FinetuneService:
                 await self._set_status(job_id, "succeeded", "The job has successfully completed",
                                        finished_at=int(time.time()),
                                        trained_tokens=update.num_trained_tokens)
-                active.done.set_result(None)
+                await self._let_go(job_id, active)
                 return
             elif item.kind == "cancelled":
                 await self._set_status(job_id, "cancelled", "The job was cancelled.",
                                        finished_at=int(time.time()))
-                active.done.set_result(None)
+                await self._let_go(job_id, active)
                 return
             else:
                 message = getattr(item.update, "message", None) or "training failed"
@@ -449,18 +454,51 @@ class FinetuneService:
                           param: str | None = None) -> None:
         if active.on_engine:
             try:
-                await self.engine.call(self.engine.engine.cancel_finetune_job, job_id)
+                await self.engine.call(_cancel_on_engine, self.engine.engine, job_id)
             except Exception:  # the engine may be gone; the job is failed all the same
                 logger.exception("cannot stop fine-tuning job %s on the engine", job_id)
         await self._set_status(job_id, "failed", f"The job failed: {message}", "error",
                                finished_at=int(time.time()),
                                error={"code": code, "message": message, "param": param})
+        await self._let_go(job_id, active)
+
+    async def _let_go(self, job_id: str, active: _ActiveJob) -> None:
+        """The job's final status and events are recorded (and its last checkpoint, which came
+        before them): the engine forgets the job, then whoever waits for it (`cancel`) wakes."""
+        if active.on_engine:
+            try:
+                await self.engine.call(_remove_from_engine, self.engine.engine, job_id)
+            except EngineDeadError:  # the engine, and all it held, is gone already
+                pass
+            except Exception:  # it only costs memory; the job's outcome stands
+                logger.exception("cannot remove fine-tuning job %s from the engine", job_id)
         if not active.done.done():
             active.done.set_result(None)
 
     def _publish_counts(self) -> None:
         if self.metrics is not None:
             self.metrics.set_job_counts(self._counts)
+
+
+def _cancel_on_engine(llm: Any, job_id: str) -> None:
+    """Engine thread: stop the job, if the engine still holds it (it may have ended and been
+    removed since the caller looked)."""
+    if _engine_job(llm, job_id) is not None:
+        llm.cancel_finetune_job(job_id)
+
+
+def _remove_from_engine(llm: Any, job_id: str) -> None:
+    """Engine thread: forget an ended job (nothing to do when the engine holds it no more)."""
+    job = _engine_job(llm, job_id)
+    if job is not None and job.finished:
+        llm.remove_finetune_job(job_id)
+
+
+def _engine_job(llm: Any, job_id: str) -> Any | None:
+    try:
+        return llm.get_finetune_job(job_id)
+    except ValueError:
+        return None
 
 
 def _every_page(list_page: Any) -> list:

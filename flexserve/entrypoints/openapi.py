@@ -185,7 +185,7 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
         "/v1/files": {
             "post": operation("Upload a training file (validated as JSONL)", FileObject, ok,
                               body=upload),
-            "get": operation("List files, newest first", FileList, ok,
+            "get": operation("List the files of the API key's tenant, newest first", FileList, ok,
                              ("purpose", "limit", "order", "after")),
         },
         "/v1/files/{file_id}": {
@@ -199,8 +199,8 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
         "/v1/fine_tuning/jobs": {
             "post": operation("Create a fine-tuning job", FineTuningJob, ok,
                               body=json_body(FineTuningJobCreateRequest)),
-            "get": operation("List fine-tuning jobs, newest first", FineTuningJobList, ok,
-                             ("after", "limit")),
+            "get": operation("List the fine-tuning jobs of the API key's tenant, newest first",
+                             FineTuningJobList, ok, ("after", "limit")),
         },
         "/v1/fine_tuning/jobs/{job_id}": {
             "get": operation("Retrieve a fine-tuning job", FineTuningJob, missing, ("job_id",)),

@@ -1,7 +1,9 @@
 """`/v1/files`: upload (multipart), list, retrieve, content, delete; OpenAI's shapes.
 
 An upload is stored only when it is a valid training file: it is parsed and tokenized with the
-server's tokenizer (off the event loop), and every problem is a 400 naming the line.
+server's tokenizer (off the event loop), and every problem is a 400 naming the line. A file
+belongs to the tenant of the key that uploaded it (`auth.owner_tenant`): listings show the
+caller's files only, and another tenant's file id is a 404 exactly like an unknown one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
+from flexserve.entrypoints.auth import owner_tenant
 from flexserve.entrypoints.errors import APIError, bad_request
 from flexserve.entrypoints.finetune_service import FinetuneService
 from flexserve.entrypoints.protocol_fine_tuning import (
@@ -70,7 +73,8 @@ async def create_file(request: Request) -> Response:
     except ValueError as e:
         raise bad_request(f"Invalid file format for fine-tuning: {e}", param="file",
                           code="invalid_file_format") from e
-    record = await asyncio.to_thread(service.store.add_file, filename, purpose, content)
+    record = await asyncio.to_thread(service.store.add_file, filename, purpose, content,
+                                     owner_tenant(request))
     return json_response(FileObject.from_record(record))
 
 
@@ -84,7 +88,8 @@ async def list_files(request: Request) -> Response:
                           code="invalid_value")
     try:
         records = await asyncio.to_thread(store.list_files, query.get("purpose"),
-                                          query.get("after"), limit + 1, order)
+                                          query.get("after"), limit + 1, order,
+                                          owner_tenant(request))
     except ValueError as e:
         raise bad_request(str(e), param="after", code="invalid_value") from e
     data = [FileObject.from_record(r) for r in records[:limit]]
@@ -95,7 +100,8 @@ async def list_files(request: Request) -> Response:
 
 async def retrieve_file(request: Request) -> Response:
     file_id = request.path_params["file_id"]
-    record = await asyncio.to_thread(_service(request).store.get_file, file_id)
+    record = await asyncio.to_thread(_service(request).store.get_file, file_id,
+                                     owner_tenant(request))
     if record is None:
         raise file_not_found(file_id)
     return json_response(FileObject.from_record(record))
@@ -104,7 +110,8 @@ async def retrieve_file(request: Request) -> Response:
 async def file_content(request: Request) -> Response:
     file_id = request.path_params["file_id"]
     try:
-        content = await asyncio.to_thread(_service(request).store.read_file, file_id)
+        content = await asyncio.to_thread(_service(request).store.read_file, file_id,
+                                          owner_tenant(request))
     except KeyError:
         raise file_not_found(file_id) from None
     return Response(content, media_type="application/octet-stream")
@@ -112,17 +119,19 @@ async def file_content(request: Request) -> Response:
 
 async def delete_file(request: Request) -> Response:
     service = _service(request)
-    file_id = request.path_params["file_id"]
-    if await asyncio.to_thread(service.store.get_file, file_id) is None:
+    file_id, tenant = request.path_params["file_id"], owner_tenant(request)
+    if await asyncio.to_thread(service.store.get_file, file_id, tenant) is None:
         raise file_not_found(file_id)
     users = await asyncio.to_thread(service.store.jobs_with_status, "validating_files", "queued",
                                     "running")
     for job in users:
         if file_id in (job.training_file, job.validation_file):
-            raise bad_request(f"File {file_id} is used by fine-tuning job {job.id} ({job.status});"
-                              " cancel the job or let it finish first.", param="file_id",
-                              code="file_in_use")
-    if not await asyncio.to_thread(service.store.delete_file, file_id):
+            # Only a job of the caller is named (a store from before tenancy may hold others').
+            user = (f"fine-tuning job {job.id} ({job.status})" if job.tenant == tenant
+                    else "a fine-tuning job")
+            raise bad_request(f"File {file_id} is used by {user}; cancel the job or let it "
+                              "finish first.", param="file_id", code="file_in_use")
+    if not await asyncio.to_thread(service.store.delete_file, file_id, tenant):
         raise file_not_found(file_id)
     return json_response(FileDeleted(id=file_id))
 

@@ -4,6 +4,11 @@ Creating a job checks everything up front (400 naming the parameter): LoRA is on
 served base model (or a fine-tuned model to start from), the files exist and are training files,
 the hyper-parameters are valid (OpenAI's names and flexserve's), and the data tokenizes with them.
 The job is then stored `queued` and runs as soon as a job slot is free.
+
+A job belongs to the tenant of the key that created it (`auth.owner_tenant`) and uses only that
+tenant's files: listings show the caller's jobs only, another tenant's job id is a 404 exactly
+like an unknown one, and another tenant's file id in a new job is the 400 of a missing file. The
+models jobs produce (`ft:...`) are served to every tenant, as any other served adapter.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from flexserve.entrypoints.auth import owner_tenant
 from flexserve.entrypoints.errors import APIError, bad_request
 from flexserve.entrypoints.finetune_service import FINAL_STATUSES, FinetuneService
 from flexserve.entrypoints.protocol_fine_tuning import (
@@ -53,10 +59,10 @@ def _service(request: Request) -> FinetuneService:
 async def create_job(request: Request) -> Response:
     body = FineTuningJobCreateRequest.model_validate_json(await request.body())
     service = _service(request)
-    tenant = getattr(request.state, "tenant", None) or "default"
+    tenant = owner_tenant(request)
     record, data, validation = await _validated_job(service, body, tenant)
     await service.submit(record, data, validation)
-    return await _job_response(service, record.id)
+    return await _job_response(service, record.id, tenant)
 
 
 async def list_jobs(request: Request) -> Response:
@@ -64,7 +70,8 @@ async def list_jobs(request: Request) -> Response:
     limit = int_query_param(query.get("limit"), "limit", 20, 1, MAX_PAGE_LIMIT)
     try:
         jobs, has_more = await asyncio.to_thread(_service(request).store.list_jobs,
-                                                 query.get("after"), limit)
+                                                 query.get("after"), limit,
+                                                 owner_tenant(request))
     except ValueError as e:
         raise bad_request(str(e), param="after", code="invalid_value") from e
     return json_response(FineTuningJobList(data=[FineTuningJob.from_record(j) for j in jobs],
@@ -72,15 +79,14 @@ async def list_jobs(request: Request) -> Response:
 
 
 async def retrieve_job(request: Request) -> Response:
-    return await _job_response(_service(request), request.path_params["job_id"])
+    return await _job_response(_service(request), request.path_params["job_id"],
+                               owner_tenant(request))
 
 
 async def cancel_job(request: Request) -> Response:
     service = _service(request)
     job_id = request.path_params["job_id"]
-    record = await asyncio.to_thread(service.store.get_job, job_id)
-    if record is None:
-        raise job_not_found(job_id)
+    record = await _require_job(service, job_id, owner_tenant(request))
     if record.status in FINAL_STATUSES:
         raise bad_request(f"Job {job_id} has already {record.status}: only a queued or running "
                           "job can be cancelled.", param="fine_tuning_job_id",
@@ -91,7 +97,7 @@ async def cancel_job(request: Request) -> Response:
 
 async def list_events(request: Request) -> Response:
     service, job_id = _service(request), request.path_params["job_id"]
-    await _require_job(service, job_id)
+    await _require_job(service, job_id, owner_tenant(request))
     query = request.query_params
     limit = int_query_param(query.get("limit"), "limit", 20, 1, MAX_PAGE_LIMIT)
     try:
@@ -105,7 +111,7 @@ async def list_events(request: Request) -> Response:
 
 async def list_checkpoints(request: Request) -> Response:
     service, job_id = _service(request), request.path_params["job_id"]
-    await _require_job(service, job_id)
+    await _require_job(service, job_id, owner_tenant(request))
     query = request.query_params
     limit = int_query_param(query.get("limit"), "limit", 10, 1, MAX_PAGE_LIMIT)
     try:
@@ -119,15 +125,16 @@ async def list_checkpoints(request: Request) -> Response:
         has_more=has_more))
 
 
-async def _require_job(service: FinetuneService, job_id: str) -> JobRecord:
-    record = await asyncio.to_thread(service.store.get_job, job_id)
+async def _require_job(service: FinetuneService, job_id: str, tenant: str) -> JobRecord:
+    """The caller's job; 404 for an unknown id and for another tenant's (never revealed)."""
+    record = await asyncio.to_thread(service.store.get_job, job_id, tenant)
     if record is None:
         raise job_not_found(job_id)
     return record
 
 
-async def _job_response(service: FinetuneService, job_id: str) -> Response:
-    return json_response(FineTuningJob.from_record(await _require_job(service, job_id)))
+async def _job_response(service: FinetuneService, job_id: str, tenant: str) -> Response:
+    return json_response(FineTuningJob.from_record(await _require_job(service, job_id, tenant)))
 
 
 # -------------------------------------------------------------------------------- validation
@@ -167,10 +174,10 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
         raise bad_request("integrations are not supported by this server", param="integrations")
     if hp.seed is None:
         hp.seed = secrets.randbelow(2**31)  # recorded, so the job can be reproduced
-    data = await _training_data(service, body.training_file, "training_file", hp)
+    data = await _training_data(service, body.training_file, "training_file", hp, tenant)
     validation: list[TrainingExample] = []
     if body.validation_file is not None:
-        content = await _file_content(service, body.validation_file, "validation_file")
+        content = await _file_content(service, body.validation_file, "validation_file", tenant)
         try:
             validation = await asyncio.to_thread(service.load_validation, content, hp)
         except ValueError as e:
@@ -241,8 +248,10 @@ def _base_adapter(service: FinetuneService, model: str) -> str | None:
                       param="model", code="model_not_available")
 
 
-async def _file_content(service: FinetuneService, file_id: str, param: str) -> bytes:
-    record = await asyncio.to_thread(service.store.get_file, file_id)
+async def _file_content(service: FinetuneService, file_id: str, param: str,
+                        tenant: str) -> bytes:
+    """A file of `tenant` for a new job; another tenant's file is as missing as an unknown id."""
+    record = await asyncio.to_thread(service.store.get_file, file_id, tenant)
     if record is None:
         raise bad_request(f"invalid {param}: no such file {file_id}", param=param,
                           code=f"invalid_{param}")
@@ -250,15 +259,15 @@ async def _file_content(service: FinetuneService, file_id: str, param: str) -> b
         raise bad_request(f"invalid {param}: file {file_id} has purpose {record.purpose!r}, not "
                           "'fine-tune'", param=param, code=f"invalid_{param}")
     try:
-        return await asyncio.to_thread(service.store.read_file, file_id)
+        return await asyncio.to_thread(service.store.read_file, file_id, tenant)
     except KeyError:  # deleted meanwhile
         raise bad_request(f"invalid {param}: no such file {file_id}", param=param,
                           code=f"invalid_{param}") from None
 
 
 async def _training_data(service: FinetuneService, file_id: str, param: str,
-                         hp: Hyperparameters) -> TrainingData:
-    content = await _file_content(service, file_id, param)
+                         hp: Hyperparameters, tenant: str) -> TrainingData:
+    content = await _file_content(service, file_id, param, tenant)
     max_len = min(hp.max_seq_len, service.max_finetune_len)
     try:
         return await asyncio.to_thread(load_training_data, content, service.engine.tokenizer,

@@ -25,7 +25,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-SCHEMA_VERSION = 1
+from flexserve.finetune.store_schema import (  # SCHEMA_VERSION: re-exported
+    DEFAULT_TENANT,
+    SCHEMA_VERSION,
+    migrate,
+)
+
 JOB_STATUSES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
 EVENT_LEVELS = ("info", "warn", "error")
 EVENT_TYPES = ("message", "metrics")
@@ -45,6 +50,7 @@ class FileRecord:
     created_at: int  # unix seconds
     path: str  # server-local path of the content (never shown to clients)
     status: str = "processed"  # OpenAI's file status
+    tenant: str = DEFAULT_TENANT  # who uploaded it: only that tenant sees or uses it
 
 
 @dataclass(slots=True)
@@ -102,32 +108,6 @@ class CheckpointRecord:
 _JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
 _JOB_JSON_FIELDS = frozenset({"hyperparameters", "error", "lora", "integrations", "metadata"})
 
-_SCHEMA = """
-CREATE TABLE files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, filename TEXT NOT NULL,
-    purpose TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL,
-    status TEXT NOT NULL);
-CREATE TABLE jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, model TEXT NOT NULL,
-    training_file TEXT NOT NULL, validation_file TEXT, hyperparameters TEXT NOT NULL,
-    suffix TEXT, seed INTEGER NOT NULL, tenant TEXT NOT NULL, status TEXT NOT NULL,
-    created_at INTEGER NOT NULL, finished_at INTEGER, fine_tuned_model TEXT,
-    trained_tokens INTEGER, error TEXT, adapter_path TEXT, num_steps INTEGER,
-    step INTEGER NOT NULL, lora TEXT, integrations TEXT, metadata TEXT);
-CREATE INDEX jobs_by_tenant ON jobs (tenant, seq);
-CREATE INDEX jobs_by_status ON jobs (status, seq);
-CREATE TABLE events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, job_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL, level TEXT NOT NULL, message TEXT NOT NULL, type TEXT NOT NULL,
-    data TEXT);
-CREATE INDEX events_by_job ON events (job_id, seq);
-CREATE TABLE checkpoints (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, job_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL, step_number INTEGER NOT NULL, metrics TEXT NOT NULL,
-    fine_tuned_model_checkpoint TEXT NOT NULL, path TEXT NOT NULL);
-CREATE INDEX checkpoints_by_job ON checkpoints (job_id, seq);
-"""
-
 
 def new_id(prefix: str) -> str:
     """A fresh id: `prefix` + "-" + 24 random hex chars (e.g. new_id("ftjob"))."""
@@ -172,6 +152,13 @@ def _check_limit(limit: int) -> None:
         raise ValueError(f"limit must be a positive integer, got {limit!r}")
 
 
+def _scoped(where: str, params: tuple, tenant: str | None) -> tuple[str, tuple]:
+    """`where` narrowed to one tenant's rows (all rows when `tenant` is None)."""
+    if tenant is None:
+        return where, params
+    return f"{where} AND tenant = ?", (*params, tenant)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -186,7 +173,9 @@ class StateStore:
     Thread-safe: one SQLite connection behind a lock, shared by HTTP handler threads and the
     engine thread. Lists are newest first (highest insertion sequence first, stable when many
     records share a `created_at` second); `after` is the id of the last record of the previous
-    page and must name a record in the same listing, else `ValueError`.
+    page and must name a record in the same listing, else `ValueError`. Files and jobs belong
+    to a tenant: given `tenant`, a lookup or listing sees that tenant's records only (another
+    tenant's id reads as unknown); without it, every record (the service's own view).
     """
 
     def __init__(self, state_dir: str) -> None:
@@ -255,15 +244,7 @@ class StateStore:
 
     def _migrate(self) -> None:
         with self._write() as conn:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise RuntimeError(f"{self._root} was written by a newer flexserve (schema "
-                                   f"{version}, this one reads {SCHEMA_VERSION})")
-            if version == 0:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            migrate(conn, self._root)
 
     def _sweep_files(self) -> None:
         """Remove what a crash can leave in files_dir: temp files and content with no row."""
@@ -299,16 +280,18 @@ class StateStore:
     def _file(self, row: sqlite3.Row) -> FileRecord:
         return FileRecord(id=row["id"], filename=row["filename"], purpose=row["purpose"],
                           bytes=row["bytes"], created_at=row["created_at"],
-                          path=self._content_path(row["id"]), status=row["status"])
+                          path=self._content_path(row["id"]), status=row["status"],
+                          tenant=row["tenant"])
 
-    def add_file(self, filename: str, purpose: str, content: bytes) -> FileRecord:
-        """Store an upload: content durable on disk first, then its row."""
+    def add_file(self, filename: str, purpose: str, content: bytes,
+                 tenant: str = DEFAULT_TENANT) -> FileRecord:
+        """Store an upload of `tenant`: content durable on disk first, then its row."""
         if not isinstance(content, (bytes, bytearray, memoryview)):
             raise ValueError(f"file content must be bytes, got {type(content).__name__}")
         file_id = new_id("file")
         record = FileRecord(id=file_id, filename=sanitize_filename(filename), purpose=purpose,
                             bytes=len(content), created_at=_now(),
-                            path=self._content_path(file_id))
+                            path=self._content_path(file_id), tenant=tenant)
         fd, temp_path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX,
                                          dir=self._files_dir)
         try:
@@ -325,40 +308,47 @@ class StateStore:
         try:
             with self._write() as conn:
                 conn.execute(
-                    "INSERT INTO files (id, filename, purpose, bytes, created_at, status) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO files (id, filename, purpose, bytes, created_at, status, "
+                    "tenant) VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (record.id, record.filename, record.purpose, record.bytes,
-                     record.created_at, record.status))
+                     record.created_at, record.status, record.tenant))
         except BaseException:
             os.remove(record.path)
             raise
         return record
 
-    def get_file(self, file_id: str) -> FileRecord | None:
-        rows = self._read("SELECT * FROM files WHERE id = ?", (file_id,))
+    def get_file(self, file_id: str, tenant: str | None = None) -> FileRecord | None:
+        """The file with this id; None if unknown, or (`tenant` given) another tenant's."""
+        where, params = _scoped("id = ?", (file_id,), tenant)
+        rows = self._read(f"SELECT * FROM files WHERE {where}", params)
         return self._file(rows[0]) if rows else None
 
-    def read_file(self, file_id: str) -> bytes:
-        """The content of a file; KeyError if the id is unknown."""
-        record = self.get_file(file_id)
+    def read_file(self, file_id: str, tenant: str | None = None) -> bytes:
+        """The content of a file; KeyError if the id is unknown (or another tenant's)."""
+        record = self.get_file(file_id, tenant)
         if record is None:
             raise KeyError(file_id)
         with open(record.path, "rb") as f:
             return f.read()
 
     def list_files(self, purpose: str | None = None, after: str | None = None,
-                   limit: int = 10000, order: str = "desc") -> list[FileRecord]:
-        """Files, newest first (`order="asc"`: oldest first), optionally of one purpose."""
+                   limit: int = 10000, order: str = "desc",
+                   tenant: str | None = None) -> list[FileRecord]:
+        """Files, newest first (`order="asc"`: oldest first), optionally of one purpose and of
+        one tenant."""
         if order not in ("asc", "desc"):
             raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
         where, params = ("purpose = ?", (purpose,)) if purpose is not None else ("1 = 1", ())
+        where, params = _scoped(where, params, tenant)
         rows, _ = self._page("files", where, params, after, limit, descending=order == "desc")
         return [self._file(row) for row in rows]
 
-    def delete_file(self, file_id: str) -> bool:
-        """Delete a file: the row first (a crash then leaves only swept content); False if unknown."""
+    def delete_file(self, file_id: str, tenant: str | None = None) -> bool:
+        """Delete a file: the row first (a crash then leaves only swept content); False if
+        unknown (or another tenant's)."""
+        where, params = _scoped("id = ?", (file_id,), tenant)
         with self._write() as conn:
-            deleted = conn.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+            deleted = conn.execute(f"DELETE FROM files WHERE {where}", params).rowcount
         if not deleted:
             return False
         try:
@@ -412,14 +402,16 @@ class StateStore:
                          "WHERE id = ?", (*values, job_id))
         return job
 
-    def get_job(self, job_id: str) -> JobRecord | None:
-        rows = self._read("SELECT * FROM jobs WHERE id = ?", (job_id,))
+    def get_job(self, job_id: str, tenant: str | None = None) -> JobRecord | None:
+        """The job with this id; None if unknown, or (`tenant` given) another tenant's."""
+        where, params = _scoped("id = ?", (job_id,), tenant)
+        rows = self._read(f"SELECT * FROM jobs WHERE {where}", params)
         return self._job(rows[0]) if rows else None
 
     def list_jobs(self, after: str | None = None, limit: int = 20,
                   tenant: str | None = None) -> tuple[list[JobRecord], bool]:
         """A page of jobs, newest first, optionally of one tenant; returns (page, has_more)."""
-        where, params = ("tenant = ?", (tenant,)) if tenant is not None else ("1 = 1", ())
+        where, params = _scoped("1 = 1", (), tenant)
         rows, has_more = self._page("jobs", where, params, after, limit)
         return [self._job(row) for row in rows], has_more
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexserve.layers.forward_context import get_forward_context
+from flexserve_kernels.cuda_ext import cuda_decode_replaces_fused
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
 
@@ -139,8 +140,11 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
     if not active:
         return
     modules, outputs = tuple(m for m, _ in active), tuple(y for _, y in active)
+    # FLEXSERVE_LORA_DECODE_BACKEND=cuda sends these groups to the CUDA BGMV pair as well; by
+    # default they stay fused (lora_shrink/lora_expand pick the CUDA pair for the others).
     if (use_triton(x.device) and (meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS)
-            and all(m.target in _FUSED_DECODE_TARGETS for m in modules)):
+            and all(m.target in _FUSED_DECODE_TARGETS for m in modules)
+            and not cuda_decode_replaces_fused(x.device, meta)):
         from flexserve_kernels.lora_fused import lora_fused_bgmv
 
         lora_fused_bgmv(x, [(m.lora_a, m.lora_b, m.scaling, y) for m, y in zip(modules, outputs)],

@@ -282,6 +282,7 @@ class ModelRunner:
             self.finetune_runner.end_job(job_id)
 
     def remove_finetune_job(self, job_id: str) -> None:
+        """Forget the job: its fp32 masters, AdamW state and pruning plan go with it."""
         if self.finetune_runner is not None:
             self.finetune_runner.remove_job(job_id)
 

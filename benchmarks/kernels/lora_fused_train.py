@@ -1,0 +1,186 @@
+"""Fused LoRA training linear (LoRAFusion FusedLoRA / FusedMultiLoRA) vs PEFT's torch LoRA vs the base GEMM.
+
+For n = k in {4096, 5120, 8192}, rank 16, m in {2048, 4096, 8192} tokens, bf16, times forward and
+forward + backward (CUDA events, median of --iters after --warmup calls, which also run the
+autotuner) of one LoRA linear:
+  fused       flexserve_kernels.lora_fused_train.fused_lora_linear (5 Triton kernels per step);
+  torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
+  base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to.
+and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi vs torch_multi (the
+unfused path per adapter: base F.linear once, each adapter's LoRA on its rows, one add). Gradients
+are to x, A and B (W frozen) in every LoRA path. Each case also records the fused path's max error
+vs torch at dropout 0 (relative to max |y|), so a broken kernel shows in the JSON.
+
+    python benchmarks/kernels/lora_fused_train.py --out lora_fused_train.jsonl
+    python benchmarks/kernels/lora_fused_train.py --smoke   # tiny shapes, CPU, Triton's interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+SIZES = (4096, 5120, 8192)  # n = k
+TOKENS = (2048, 4096, 8192)  # m
+SMOKE_SIZES, SMOKE_TOKENS = (48,), (40,)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout probability of every adapter")
+    p.add_argument("--multi-adapters", type=int, default=4, help="adapters of the multi-adapter case (0: skip)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    return p.parse_args()
+
+
+def time_ms(fn, warmup: int, iters: int, smoke: bool) -> float:
+    """Median milliseconds of fn() over iters calls (CUDA events; wall clock in smoke mode)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if smoke:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peft_linear(weight: torch.Tensor, rank: int, alpha: float, dropout: float) -> torch.nn.Module:
+    """PEFT's lora.Linear around a frozen bias-free nn.Linear holding weight."""
+    from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
+
+    base = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    base.weight.data.copy_(weight)
+    base.weight.requires_grad_(False)
+    kwargs = dict(r=rank, lora_alpha=alpha, lora_dropout=dropout)
+    if "config" in inspect.signature(LoraLinear.__init__).parameters:  # peft >= 0.18 takes the config too
+        kwargs["config"] = LoraConfig(**kwargs)
+    module = LoraLinear(base, "default", **kwargs).to(weight.device, weight.dtype)
+    torch.nn.init.normal_(module.lora_B["default"].weight, std=0.02)  # PEFT starts B at zero
+    return module
+
+
+def step(forward, leaves: list[torch.Tensor], backward: bool):
+    """One training step of a path: forward, then (if backward) dY = 1 backward, grads cleared first."""
+    def run():
+        for t in leaves:
+            t.grad = None
+        y = forward()
+        if backward:
+            y.backward(grad_out[0])
+    grad_out: list[torch.Tensor] = []
+    with torch.no_grad():
+        grad_out.append(torch.ones_like(forward()))
+    return run
+
+
+def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> list[dict]:
+    from flexserve_kernels.lora_fused_train import LoRATrainSlots, fused_lora_linear
+    from flexserve_kernels.lora_meta import LoRAKernelMeta
+
+    g = torch.Generator().manual_seed(m + size + num_adapters)
+    n = k = size
+    rank, scaling = args.rank, args.alpha / args.rank
+    x = (torch.randn(m, k, generator=g)).to(device, dtype).requires_grad_()
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    adapters = max(1, num_adapters)
+    seg = m // adapters
+    row_lens = [seg] * (adapters - 1) + [m - seg * (adapters - 1)]
+    meta = LoRAKernelMeta.build(row_lens, list(range(adapters)), device)
+    lora_a = (torch.randn(adapters, rank, k, generator=g) / k**0.5).to(device, dtype).requires_grad_()
+    lora_b = (torch.randn(adapters, n, rank, generator=g) * 0.02).to(device, dtype).requires_grad_()
+    leaves = [x, lora_a, lora_b]
+
+    def fused(p: float):
+        slots = LoRATrainSlots.build([scaling] * adapters, [p] * adapters, device)
+        return lambda: fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, seed=1234)
+
+    if num_adapters == 0:
+        torch_module = peft_linear(weight, rank, args.alpha, args.dropout)
+        torch_module.lora_A["default"].weight.data.copy_(lora_a[0].detach())
+        torch_module.lora_B["default"].weight.data.copy_(lora_b[0].detach())
+        torch_params = [x, torch_module.lora_A["default"].weight, torch_module.lora_B["default"].weight]
+        torch_path, names = (lambda: torch_module(x)), ("fused", "torch_lora")
+        torch_module.lora_dropout["default"].p = 0.0
+        want = torch_module(x).detach()
+        torch_module.lora_dropout["default"].p = args.dropout
+    else:
+        starts = [sum(row_lens[:i]) for i in range(adapters)]
+
+        def torch_multi(p: float):
+            base = F.linear(x, weight)
+            deltas = [F.linear(F.linear(F.dropout(x[s:s + r], p), lora_a[i]), lora_b[i]) * scaling
+                      for i, (s, r) in enumerate(zip(starts, row_lens))]
+            return base + torch.cat(deltas)
+        torch_params, torch_path, names = leaves, (lambda: torch_multi(args.dropout)), ("fused_multi", "torch_multi")
+        with torch.no_grad():
+            want = torch_multi(0.0)
+    with torch.no_grad():
+        got = fused(0.0)()
+    max_rel_err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    paths = {names[0]: (fused(args.dropout), leaves), names[1]: (torch_path, torch_params),
+             "base": (lambda: F.linear(x, weight), [x])}
+    rows = []
+    for path, (forward, params) in paths.items():
+        fwd_ms = time_ms(step(forward, params, False), args.warmup, args.iters, args.smoke)
+        fwd_bwd_ms = time_ms(step(forward, params, True), args.warmup, args.iters, args.smoke)
+        rows.append(dict(path=path, fwd_ms=round(fwd_ms, 4), fwd_bwd_ms=round(fwd_bwd_ms, 4)))
+    torch_ms = {r["path"]: r for r in rows}[names[1]]
+    for r in rows:
+        r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
+                 fused_max_rel_err=max_rel_err, speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
+                 speedup_fwd_bwd_vs_torch=round(torch_ms["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3))
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    if args.smoke:
+        # Before triton is imported: the kernels are decorated for the interpreter.
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.warmup, args.iters = 0, 1
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    sizes, tokens = (SMOKE_SIZES, SMOKE_TOKENS) if args.smoke else (SIZES, TOKENS)
+    device_name = "cpu-interpreter" if args.smoke else torch.cuda.get_device_name(device)
+    adapter_cases = [0, args.multi_adapters] if args.multi_adapters else [0]
+    todo = [(m, s, a) for a in adapter_cases for s in sizes for m in tokens]
+    out = open(args.out, "a") if args.out else None
+    for m, size, adapters in tqdm(todo, desc="lora fused train"):
+        for row in bench_case(m, size, adapters, args, device, dtype):
+            line = json.dumps(dict(row, device=device_name))
+            tqdm.write(line)
+            if out:
+                out.write(line + "\n")
+                out.flush()
+        if not args.smoke:
+            torch.cuda.empty_cache()
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()

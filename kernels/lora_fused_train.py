@@ -1,0 +1,328 @@
+"""Fused LoRA training forward (LoRAFusion, EuroSys'26, figure 10a) for one or many adapters.
+
+The graph is split at S = dropout(x) A^T, the [T, r] tensor that is cheap to store:
+  kernel 1 (`lora_train_shrink_fwd`): S, dropout fused into the shrink's loads, x read once;
+  kernel 2 (`lora_train_linear_fwd`): y = x W^T + scaling * S B^T in one pass over y: each y tile
+  accumulates the base GEMM, then adds its [tile_m, r] x [r, tile_n] LoRA product before its one
+  store (no separate expand reading and writing y again).
+Dropout is never stored: the keep mask is a counter-based hash of (seed, token, column), and the
+backward (lora_fused_train_bwd) regenerates it. Adapters are routed per token: meta's segments
+give each token's slot; a y row tile loops over the segments it overlaps (usually one), masking
+S's rows to each segment, so tiles may straddle adapters and tokens without one get the base only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flexserve_kernels.lora_fused_train_ref import HASH_COLUMN, HASH_MIX1, HASH_MIX2, HASH_TOKEN
+from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora_shrink import check_launchable
+
+_HASH_TOKEN = tl.constexpr(HASH_TOKEN)
+_HASH_COLUMN = tl.constexpr(HASH_COLUMN)
+_HASH_MIX1 = tl.constexpr(HASH_MIX1)
+_HASH_MIX2 = tl.constexpr(HASH_MIX2)
+
+
+@dataclass(slots=True)
+class LoRATrainSlots:
+    """Per-slot LoRA training hyperparameters, on the device, plus what the host must know."""
+
+    scalings: torch.Tensor  # [num_slots] float32: alpha / rank of each slot's adapter
+    dropout_ps: torch.Tensor  # [num_slots] float32: dropout probability of each slot, in [0, 1)
+    has_dropout: bool  # any slot has dropout p > 0 (host side: picks the kernels' dropout branch)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.scalings.shape[0])
+
+    @classmethod
+    def build(cls, scalings: list[float], dropout_ps: list[float], device: torch.device | str) -> "LoRATrainSlots":
+        """From host lists, one entry per slot; dropout p must lie in [0, 1)."""
+        if len(scalings) != len(dropout_ps):
+            raise ValueError(f"{len(scalings)} scalings for {len(dropout_ps)} dropout probabilities")
+        for p in dropout_ps:
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.float32).to(device)  # noqa: E731
+        return cls(as_tensor(scalings), as_tensor(dropout_ps), any(p > 0 for p in dropout_ps))
+
+
+@triton.jit
+def dropout_keep(seed, rows, cols, p):
+    """[rows, cols] keep mask of dropout with probability p (same bits as dropout_keep_ref)."""
+    # seed is added last: Triton may pass a seed of 1 as a constant, which has no .to().
+    h = rows.to(tl.uint32)[:, None] * _HASH_TOKEN + cols.to(tl.uint32)[None, :] * _HASH_COLUMN + seed
+    h = h ^ (h >> 16)
+    h = h * _HASH_MIX1
+    h = h ^ (h >> 15)
+    h = h * _HASH_MIX2
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0) >= p
+
+
+@triton.jit
+def _lora_train_shrink_fwd_kernel(
+    x_ptr, a_ptr, s_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
+    in_size, max_rank, seed,
+    stride_xm, stride_as, stride_ar, stride_sm,
+    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Grid: (segment, row tile of the segment); tiles past a segment's end exit.
+    seg = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    seg_len = tl.load(seg_lens_ptr + seg)
+    if pid_m * BLOCK_M >= seg_len:
+        return
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    p = tl.load(dropout_ps_ptr + slot)
+    rows = tl.load(seg_starts_ptr + seg) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = tl.arange(0, BLOCK_M) < seg_len - pid_m * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_mask = offs_r < max_rank
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    # lora_a[slot] is [max_rank, in]; read as its transpose [BLOCK_K, BLOCK_R] for the dot.
+    a_ptrs = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(0, in_size, BLOCK_K):
+        k_mask = offs_k < in_size - k
+        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rows, k + offs_k, p)
+            x_tile = tl.where(keep, x_tile.to(tl.float32) / (1.0 - p), 0.0).to(x_tile.dtype)
+        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(x_tile, a_tile, acc, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def tile_segments(token_segs_ptr, rows, num_rows):
+    """[first, end) of the segments that rows (sorted, a tile) overlap; empty when none."""
+    segs = tl.load(token_segs_ptr + rows, mask=rows < num_rows, other=-1)
+    first = tl.min(tl.where(segs >= 0, segs, 2147483647), axis=0)
+    end = tl.max(segs, axis=0) + 1
+    return first, end
+
+
+@triton.jit
+def _lora_train_linear_fwd_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
+    M, N, K, max_rank, m_bucket,
+    stride_xm, stride_wn, stride_sm, stride_bs, stride_bn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # m_bucket (next power of two of M) is only the autotuner's key.
+    # Grouped tile order: GROUP_M row tiles share each column of W while it is in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = rows < M
+    n_mask = cols < N
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x_tile, w_tile, acc, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    # Epilogue: + scaling * S B^T for each adapter segment the row tile overlaps.
+    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < max_rank
+    if seg_end > seg_first:
+        s_tile = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+                         mask=m_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+        for seg in range(seg_first, seg_end):
+            start = tl.load(seg_starts_ptr + seg)
+            in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
+            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+            scaled = tl.where(in_seg[:, None], s_tile * tl.load(scalings_ptr + slot), 0.0)
+            # lora_b[slot] is [out, max_rank]; read as its transpose [BLOCK_R, BLOCK_N].
+            b_tile = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(scaled.to(b_tile.dtype), b_tile, acc, input_precision="ieee")
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the
+# forward GEMM; none spills (ptxas, sm_90, triton 3.9, bf16, rank 16: 96-217 registers).
+FWD_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                     (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+                     (128, 128, 32, 4, 4), (64, 64, 64, 4, 4))
+
+
+def gemm_configs(shapes: tuple[tuple[int, int, int, int, int], ...]) -> list[triton.Config]:
+    """triton.Configs of (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples, grouped 8 row tiles."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for m, n, k, w, s in shapes]
+
+
+_linear_fwd_tuned = triton.autotune(configs=gemm_configs(FWD_CONFIG_SHAPES), key=["m_bucket", "N", "K", "max_rank"])(
+    _lora_train_linear_fwd_kernel)
+
+
+def token_segments(meta: LoRAKernelMeta) -> torch.Tensor:
+    """[T] int32: each token's segment index in meta, -1 for tokens without an adapter (no sync)."""
+    tokens = torch.arange(meta.num_tokens, dtype=torch.int32, device=meta.token_slots.device)
+    if meta.num_segments == 0:
+        return torch.full_like(tokens, -1)
+    seg = torch.searchsorted(meta.seg_starts, tokens, right=True).to(torch.int32) - 1
+    clamped = seg.clamp(min=0).long()
+    inside = (seg >= 0) & (tokens < meta.seg_starts[clamped] + meta.seg_lens[clamped])
+    return torch.where(inside, seg, -1)
+
+
+def check_train_args(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     meta: LoRAKernelMeta, slots: LoRATrainSlots) -> None:
+    """Shapes, contiguity and devices the kernels rely on; ValueError otherwise."""
+    if x.dim() != 2 or weight.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
+        raise ValueError("x [T, in], weight [out, in], lora_a [slots, r, in], lora_b [slots, out, r] expected")
+    num_tokens, in_size = x.shape
+    out_size = weight.shape[0]
+    num_slots, max_rank = lora_a.shape[:2]
+    if weight.shape[1] != in_size or lora_a.shape[2] != in_size:
+        raise ValueError(f"in sizes differ: x {in_size}, weight {weight.shape[1]}, lora_a {lora_a.shape[2]}")
+    if tuple(lora_b.shape) != (num_slots, out_size, max_rank):
+        raise ValueError(f"lora_b must be {(num_slots, out_size, max_rank)}, got {tuple(lora_b.shape)}")
+    if max_rank < 1 or max_rank > 128:
+        raise ValueError(f"max rank must be in [1, 128], got {max_rank}")
+    if slots.num_slots != num_slots:
+        raise ValueError(f"{slots.num_slots} slot configs for {num_slots} adapter slots")
+    if meta.num_tokens != num_tokens:
+        raise ValueError(f"meta has {meta.num_tokens} tokens, x has {num_tokens}")
+    for name, t in (("x", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if len({x.dtype, weight.dtype, lora_a.dtype, lora_b.dtype}) != 1:
+        raise ValueError("x, weight, lora_a and lora_b must share one dtype")
+
+
+def rank_block(max_rank: int) -> int:
+    # tl.dot needs every dimension >= 16: smaller ranks are padded (masked) to 16.
+    return max(16, triton.next_power_of_2(max_rank))
+
+
+def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
+                          seed: int, *, block_m: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype, zero rows for tokens without an adapter."""
+    check_launchable(x, _lora_train_shrink_fwd_kernel)
+    num_tokens, in_size = x.shape
+    max_rank = lora_a.shape[1]
+    s = torch.zeros(num_tokens, max_rank, dtype=x.dtype, device=x.device)
+    if not meta.has_lora:
+        return s
+    block_m = block_m or min(64, max(16, triton.next_power_of_2(meta.max_seg_len)))
+    block_k = block_k or (32 if x.dtype == torch.float32 else 128)
+    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m))
+    _lora_train_shrink_fwd_kernel[grid](
+        x, lora_a, s, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+        in_size, max_rank, seed, x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0),
+        # ptxas (sm_90, triton 3.9, bf16, 64 x 128 tiles of x): 116 registers at rank 16, 247 at 128.
+        HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_R=rank_block(max_rank), BLOCK_K=block_k,
+        num_warps=4 if max_rank <= 32 else 8, num_stages=3,
+    )
+    return s
+
+
+def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
+                          meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor,
+                          *, blocks: tuple[int, int, int] | None = None,
+                          autotune: bool | None = None) -> torch.Tensor:
+    """Kernel 2: y [T, out] = x W^T + scaling[slot] * S B[slot]^T, one pass over y.
+
+    The tiles are autotuned (FWD_CONFIG_SHAPES) when `autotune` (default: on CUDA), else
+    `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's tests).
+    """
+    check_launchable(x, _lora_train_linear_fwd_kernel)
+    num_tokens, in_size = x.shape
+    out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
+    y = torch.empty(num_tokens, out_size, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return y
+    args = (x, weight, s, lora_b, y, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
+            num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens),
+            x.stride(0), weight.stride(0), s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
+    if autotune if autotune is not None else x.device.type == "cuda" and blocks is None:
+        grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"]),)  # noqa: E731
+        _linear_fwd_tuned[grid](*args, BLOCK_R=rank_block(max_rank))
+        return y
+    block_m, block_n, block_k = blocks or (16, 32, 32)
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
+    _lora_train_linear_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                        BLOCK_R=rank_block(max_rank), GROUP_M=4, num_warps=4, num_stages=3)
+    return y
+
+
+class FusedLoRALinearFunction(torch.autograd.Function):
+    """y = x W^T + scaling * dropout(x) A^T B^T per token's adapter slot; W frozen.
+
+    Forward runs kernels 1-2 and keeps x and S; backward runs kernels 3-5 and returns dX, dA, dB.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed):
+        token_segs = token_segments(meta)
+        s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
+        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
+        ctx.meta, ctx.slots, ctx.seed = meta, slots, seed
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # Imported here: the backward module imports this one's jit helpers.
+        from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_ds_db_bwd, lora_train_dx_bwd
+
+        x, weight, lora_a, lora_b, s, token_segs = ctx.saved_tensors
+        meta, slots, seed = ctx.meta, ctx.slots, ctx.seed
+        dy = dy.contiguous()
+        ds, db = lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, seed)
+        da = lora_train_da_bwd(x, ds, lora_a, meta, slots, seed)
+        return dx, None, da, db, None, None, None
+
+
+def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int) -> torch.Tensor:
+    """Differentiable fused LoRA linear over x [..., in] (tokens flattened in order for meta).
+
+    weight [out, in] is frozen (ValueError if it requires grad); lora_a [slots, r_max, in] and
+    lora_b [slots, out, r_max] hold each slot's adapter zero-padded to r_max; seed in [0, 2**31)
+    fixes the dropout mask, regenerated in backward.
+    """
+    if weight.requires_grad:
+        raise ValueError("the base weight must be frozen (requires_grad=False) for the fused LoRA linear")
+    if not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be in [0, 2**31), got {seed}")
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    check_train_args(flat, weight, lora_a, lora_b, meta, slots)
+    y = FusedLoRALinearFunction.apply(flat, weight, lora_a, lora_b, meta, slots, seed)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

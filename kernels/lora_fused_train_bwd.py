@@ -1,0 +1,320 @@
+"""Fused LoRA training backward (LoRAFusion figure 10b), for one or many adapters, without atomics.
+
+Only x and S = dropout(x) A^T are kept from the forward; the dropout mask is regenerated.
+  kernel 3 (`lora_train_ds_db_bwd`): dS = scaling dY B and dB = scaling dY^T S in one pass over dY;
+  kernel 4 (`lora_train_dx_bwd`): dX = dY W + dropout'(dS A) in one pass over dX (LoRA in the
+  base GEMM's epilogue, dropout' = the same mask / (1 - p));
+  kernel 5 (`lora_train_da_bwd`): dA = dS^T dropout(x), a small GEMM over the adapter rows.
+dB and dA sum over tokens of a slot. Each program owns a chunk of rows of one segment and writes its
+partial sum; a second kernel adds a slot's partials in a fixed order. Nothing uses atomics, so
+gradients are bitwise reproducible run to run (deterministic training with no separate mode).
+The partials take num_segments x (up to 8 chunks) x (in + out) x r_max x 4 bytes: keep each
+adapter's tokens contiguous (LoRAKernelMeta merges consecutive rows of one slot into a segment);
+a batch that interleaves adapters row by row has one segment per row and that many partials.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flexserve_kernels.lora_fused_train import (
+    LoRATrainSlots,
+    dropout_keep,
+    gemm_configs,
+    rank_block,
+    tile_segments,
+)
+from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora_shrink import check_launchable, target_programs
+
+
+@triton.jit
+def _lora_train_ds_db_bwd_kernel(
+    dy_ptr, b_ptr, s_ptr, ds_part_ptr, db_part_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
+    N, max_rank, rows_per_chunk, n_per_split, num_chunks,
+    stride_dym, stride_bs, stride_bn, stride_sm, stride_dss, stride_dsm, stride_dbi, stride_dbn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # Grid: (segment, row chunk, column split). Columns outer, rows inner: the dB tile stays in
+    # registers over the chunk's rows; the chunk's dS partial (rows x r fp32, L2-sized) is
+    # re-read and added once per column tile.
+    seg = tl.program_id(0)
+    chunk = tl.program_id(1)
+    split = tl.program_id(2)
+    seg_len = tl.load(seg_lens_ptr + seg)
+    if chunk * rows_per_chunk >= seg_len:
+        return
+    start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    scale = tl.load(scalings_ptr + slot)
+    row_begin = start + chunk * rows_per_chunk
+    row_stop = start + tl.minimum(seg_len, (chunk + 1) * rows_per_chunk)
+    n_begin = split * n_per_split
+    n_stop = tl.minimum(N, n_begin + n_per_split)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < max_rank
+    item = (seg * num_chunks + chunk).to(tl.int64)
+    for n0 in range(n_begin, n_stop, BLOCK_N):
+        cols = n0 + offs_n
+        n_mask = cols < n_stop
+        b_tile = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[:, None] * stride_bn + offs_r[None, :],
+                         mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        db_acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for m0 in range(row_begin, row_stop, BLOCK_M):
+            rows = m0 + offs_m
+            m_mask = rows < row_stop
+            dy_tile = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + cols[None, :],
+                              mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+            s_tile = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+                             mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+            db_acc = tl.dot(tl.trans(dy_tile), s_tile.to(dy_tile.dtype), db_acc, input_precision="ieee")
+            ds_ptrs = ds_part_ptr + split * stride_dss + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
+            ds_mask = m_mask[:, None] & r_mask[None, :]
+            ds = tl.dot(dy_tile, b_tile, input_precision="ieee") * scale
+            ds += tl.load(ds_ptrs, mask=ds_mask, other=0.0)  # ds_part starts zeroed
+            tl.store(ds_ptrs, ds, mask=ds_mask)
+        db_ptrs = db_part_ptr + item * stride_dbi + cols.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
+        tl.store(db_ptrs, db_acc * scale, mask=n_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _lora_train_da_bwd_kernel(
+    x_ptr, ds_ptr, da_part_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
+    K, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
+    stride_xm, stride_dsm, stride_dai, stride_dar,
+    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # Grid: (segment, row chunk, column split) as in kernel 3; dropout(x) is rebuilt per tile.
+    seg = tl.program_id(0)
+    chunk = tl.program_id(1)
+    split = tl.program_id(2)
+    seg_len = tl.load(seg_lens_ptr + seg)
+    if chunk * rows_per_chunk >= seg_len:
+        return
+    start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    p = tl.load(dropout_ps_ptr + slot)
+    row_begin = start + chunk * rows_per_chunk
+    row_stop = start + tl.minimum(seg_len, (chunk + 1) * rows_per_chunk)
+    k_begin = split * k_per_split
+    k_stop = tl.minimum(K, k_begin + k_per_split)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < max_rank
+    item = (seg * num_chunks + chunk).to(tl.int64)
+    for k0 in range(k_begin, k_stop, BLOCK_K):
+        cols = k0 + offs_k
+        k_mask = cols < k_stop
+        da_acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for m0 in range(row_begin, row_stop, BLOCK_M):
+            rows = m0 + offs_m
+            m_mask = rows < row_stop
+            x_tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
+                             mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if HAS_DROPOUT:
+                keep = dropout_keep(seed, rows, cols, p)
+                x_tile = tl.where(keep, x_tile.to(tl.float32) / (1.0 - p), 0.0).to(x_tile.dtype)
+            ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
+                              mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+            da_acc = tl.dot(tl.trans(ds_tile.to(x_tile.dtype)), x_tile, da_acc, input_precision="ieee")
+        da_ptrs = da_part_ptr + item * stride_dai + offs_r[:, None] * stride_dar + cols[None, :]
+        tl.store(da_ptrs, da_acc, mask=r_mask[:, None] & k_mask[None, :])
+
+
+@triton.jit
+def _lora_train_slot_reduce_kernel(
+    part_ptr, out_ptr, seg_lens_ptr, seg_slots_ptr,
+    num_segments, num_chunks, rows_per_chunk, numel, stride_item, stride_slot,
+    BLOCK: tl.constexpr,
+):
+    # Grid: (slot, block of the flattened gradient). Sums the slot's chunk partials in segment
+    # order (fixed: reproducible); slots without tokens get zeros.
+    slot = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for seg in range(0, num_segments):
+        if tl.load(seg_slots_ptr + seg) == slot:
+            num_valid = tl.minimum(tl.cdiv(tl.load(seg_lens_ptr + seg), rows_per_chunk), num_chunks)
+            for chunk in range(0, num_valid):
+                item = (seg * num_chunks + chunk).to(tl.int64)
+                acc += tl.load(part_ptr + item * stride_item + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_slot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lora_train_dx_bwd_kernel(
+    dy_ptr, w_ptr, ds_ptr, a_ptr, dx_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket,
+    stride_dym, stride_wk, stride_dsm, stride_as, stride_ar, stride_dxm,
+    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # dX [M, N=in] = dY [M, K=out] W [K, N]; m_bucket is only the autotuner's key.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = rows < M
+    n_mask = cols < N
+    dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + offs_k[None, :]
+    w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_wk + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k
+        dy_tile = tl.load(dy_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
+        dy_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+
+    # Epilogue: + dropout'(dS A[slot]) for each adapter segment the row tile overlaps.
+    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < max_rank
+    if seg_end > seg_first:
+        ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
+                          mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        for seg in range(seg_first, seg_end):
+            start = tl.load(seg_starts_ptr + seg)
+            in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
+            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+            a_tile = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + cols[None, :],
+                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            ds_seg = tl.where(in_seg[:, None], ds_tile, 0.0).to(a_tile.dtype)
+            lora = tl.dot(ds_seg, a_tile, input_precision="ieee")
+            if HAS_DROPOUT:
+                p = tl.load(dropout_ps_ptr + slot)
+                lora = tl.where(dropout_keep(seed, rows, cols, p), lora / (1.0 - p), 0.0)
+            acc += lora
+    tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxm + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+# dX's dropout epilogue holds the hash and a second [BLOCK_M, BLOCK_N] fp32 tile next to the
+# accumulator: 128 x 128 spills at 4 warps and 128 x 256 at 8 (ptxas, sm_90, triton 3.9, bf16), so
+# its candidates keep at most 64 accumulator elements per thread (229-248 registers, no spills).
+DX_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3),
+                    (128, 64, 64, 4, 4), (128, 64, 64, 4, 3), (64, 256, 64, 8, 3), (64, 64, 64, 4, 4))
+_dx_bwd_tuned = triton.autotune(configs=gemm_configs(DX_CONFIG_SHAPES), key=["m_bucket", "N", "K", "max_rank"])(
+    _lora_train_dx_bwd_kernel)
+
+
+def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device):
+    """(rows_per_chunk, num_chunks, cols_per_split, num_splits) for kernels 3 and 5: up to 8 row
+    chunks per segment (each chunk's partial gradient costs a [cols, r] fp32 write), then column
+    splits until about two programs per SM."""
+    num_chunks = min(8, triton.cdiv(meta.max_seg_len, block_m))
+    rows_per_chunk = triton.cdiv(triton.cdiv(meta.max_seg_len, num_chunks), block_m) * block_m
+    num_chunks = triton.cdiv(meta.max_seg_len, rows_per_chunk)
+    max_splits = triton.cdiv(num_cols, block_cols)
+    num_splits = max(1, min(max_splits, target_programs(device) // (meta.num_segments * num_chunks)))
+    cols_per_split = triton.cdiv(max_splits, num_splits) * block_cols
+    return rows_per_chunk, num_chunks, cols_per_split, triton.cdiv(num_cols, cols_per_split)
+
+
+def _reduce_by_slot(part: torch.Tensor, out: torch.Tensor, meta: LoRAKernelMeta, rows_per_chunk: int,
+                    num_chunks: int) -> None:
+    numel = part[0].numel()
+    block = 1024
+    _lora_train_slot_reduce_kernel[(out.shape[0], triton.cdiv(numel, block))](
+        part, out, meta.seg_lens, meta.seg_slots, meta.num_segments, num_chunks, rows_per_chunk, numel,
+        part.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+    )
+
+
+def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, meta: LoRAKernelMeta,
+                         slots: LoRATrainSlots, *, block_m: int | None = None, block_n: int | None = None):
+    """Kernel 3: (dS [T, r_max] float32, zero rows without an adapter; dB like lora_b)."""
+    check_launchable(dy, _lora_train_ds_db_bwd_kernel)
+    num_tokens, out_size = dy.shape
+    max_rank = lora_b.shape[2]
+    if not meta.has_lora:
+        return (torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=dy.device), torch.zeros_like(lora_b))
+    block_m = block_m or (16 if dy.device.type != "cuda" else 64)
+    block_n = block_n or (32 if dy.device.type != "cuda" else (128 if max_rank <= 32 else 64))
+    rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device)
+    ds_part = torch.zeros(num_splits, num_tokens, max_rank, dtype=torch.float32, device=dy.device)
+    db_part = torch.empty(meta.num_segments * num_chunks, out_size, max_rank, dtype=torch.float32, device=dy.device)
+    _lora_train_ds_db_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
+        dy, lora_b, s, ds_part, db_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
+        out_size, max_rank, rows_per_chunk, n_per_split, num_chunks,
+        dy.stride(0), lora_b.stride(0), lora_b.stride(1), s.stride(0), ds_part.stride(0), ds_part.stride(1),
+        db_part.stride(0), db_part.stride(1),
+        # ptxas (sm_90, triton 3.9, bf16): 64 x 128 x rank 16 takes 130 registers at 4 warps; rank 128
+        # spills there, hence 64-wide column tiles and 8 warps above rank 32.
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=rank_block(max_rank), num_warps=4 if max_rank <= 32 else 8,
+        num_stages=3,
+    )
+    db = torch.empty_like(lora_b)
+    _reduce_by_slot(db_part, db, meta, rows_per_chunk, num_chunks)
+    # torch.sum over the splits is a fixed-order reduction (no atomics).
+    return (ds_part[0] if num_splits == 1 else ds_part.sum(0)), db
+
+
+def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
+                      slots: LoRATrainSlots, seed: int, *, block_m: int | None = None,
+                      block_k: int | None = None) -> torch.Tensor:
+    """Kernel 5: dA [slots, r_max, in] (lora_a's dtype) = dS^T dropout(x) per slot, zero for unused slots."""
+    check_launchable(x, _lora_train_da_bwd_kernel)
+    in_size = x.shape[1]
+    max_rank = lora_a.shape[1]
+    if not meta.has_lora:
+        return torch.zeros_like(lora_a)
+    block_m = block_m or (16 if x.device.type != "cuda" else (64 if max_rank <= 32 else 32))
+    block_k = block_k or (32 if x.device.type != "cuda" else (128 if max_rank <= 32 else 64))
+    rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device)
+    da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
+    _lora_train_da_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
+        x, ds, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+        in_size, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
+        x.stride(0), ds.stride(0), da_part.stride(0), da_part.stride(1),
+        # ptxas (sm_90, triton 3.9, bf16, dropout on): 64 x 128 x tiles spill at 4 warps (rank 16);
+        # at rank 128, 64 x 64 spills at 8 warps, 32 x 64 takes 215 registers.
+        HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank),
+        num_warps=8, num_stages=3,
+    )
+    da = torch.empty_like(lora_a)
+    _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks)
+    return da
+
+
+def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor,
+                      meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor, seed: int,
+                      *, blocks: tuple[int, int, int] | None = None, autotune: bool | None = None) -> torch.Tensor:
+    """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]) in one pass over dX; autotuned
+    (DX_CONFIG_SHAPES) when `autotune` (default: on CUDA), else `blocks` = (BLOCK_M, BLOCK_N over
+    in, BLOCK_K over out)."""
+    check_launchable(dy, _lora_train_dx_bwd_kernel)
+    num_tokens, out_size = dy.shape
+    in_size = weight.shape[1]
+    max_rank = lora_a.shape[1]
+    dx = torch.empty(num_tokens, in_size, dtype=dy.dtype, device=dy.device)
+    if num_tokens == 0:
+        return dx
+    args = (dy, weight, ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+            num_tokens, in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens),
+            dy.stride(0), weight.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
+    if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
+        grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"]),)  # noqa: E731
+        _dx_bwd_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
+        return dx
+    block_m, block_n, block_k = blocks or (16, 32, 32)
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
+    _lora_train_dx_bwd_kernel[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_N=block_n,
+                                    BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4, num_warps=4,
+                                    num_stages=3)
+    return dx

@@ -1,0 +1,77 @@
+"""Torch references for the fused LoRA training kernels (LoRAFusion's FusedLoRA / FusedMultiLoRA).
+
+`lora_linear_train_ref` is the unfused PEFT computation, y = x W^T + scaling * B(A(dropout(x))),
+per adapter slot, differentiable with torch.autograd; its dropout mask is the kernels' counter-based
+hash of (seed, token, column) (`dropout_keep_ref`), so both sides drop the same elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Hash constants (all below 2**31, so a 32-bit value times one fits in int64 without overflow).
+HASH_TOKEN = 0x6A09E667
+HASH_COLUMN = 0x3C6EF372 | 1
+HASH_MIX1 = 0x7FEB352D
+HASH_MIX2 = 0x2C1B3C6D
+_MASK32 = 0xFFFFFFFF
+
+
+def dropout_keep_ref(seed: int, num_tokens: int, num_cols: int, p: float,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """[num_tokens, num_cols] bool: the elements dropout with probability p keeps, as the kernels
+    regenerate them (a 32-bit integer hash of seed, token and column, its top 24 bits as uniform)."""
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=device)[:, None]
+    cols = torch.arange(num_cols, dtype=torch.int64, device=device)[None, :]
+    h = (seed + tokens * HASH_TOKEN + cols * HASH_COLUMN) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * HASH_MIX1) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * HASH_MIX2) & _MASK32
+    h = h ^ (h >> 16)
+    uniform = (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    return uniform >= p
+
+
+def lora_linear_train_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    scalings: list[float],
+    dropout_ps: list[float],
+    seed: int,
+) -> torch.Tensor:
+    """y [T, out] = x W^T, plus for tokens of slot s >= 0: scaling[s] * dropout(x) A[s]^T B[s]^T.
+
+    x [T, in], weight [out, in], lora_a [slots, r_max, in], lora_b [slots, out, r_max]; computed
+    unfused, in x's dtype, like PEFT's Linear (dropout scales kept elements by 1 / (1 - p)).
+    """
+    y = F.linear(x, weight)
+    for slot in sorted(set(token_slots.tolist()) - {-1}):
+        rows = (token_slots == slot).nonzero().flatten()
+        xs = x[rows]
+        p = dropout_ps[slot]
+        if p > 0:
+            keep = dropout_keep_ref(seed, x.shape[0], x.shape[1], p, x.device)[rows]
+            xs = xs * keep.to(xs.dtype) / (1.0 - p)
+        delta = F.linear(F.linear(xs, lora_a[slot]), lora_b[slot]) * scalings[slot]
+        y = y.index_add(0, rows, delta.to(y.dtype))
+    return y
+
+
+def lora_train_shrink_ref(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, dropout_ps: list[float], seed: int
+) -> torch.Tensor:
+    """s [T, r_max] float32 = dropout(x) A[slot]^T per token, zero rows for tokens without an adapter."""
+    s = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in sorted(set(token_slots.tolist()) - {-1}):
+        rows = (token_slots == slot).nonzero().flatten()
+        xs = x[rows].float()
+        p = dropout_ps[slot]
+        if p > 0:
+            xs = xs * dropout_keep_ref(seed, x.shape[0], x.shape[1], p, x.device)[rows] / (1.0 - p)
+        s[rows] = xs @ lora_a[slot].float().T
+    return s
