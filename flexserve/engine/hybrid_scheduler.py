@@ -178,6 +178,8 @@ class HybridTokenScheduler:
         self.num_completions = 0  # requests finished since then
         self.last_mode: StepMode | None = None
         self.last_predicted_s = 0.0  # the latency model's prediction for the last plan
+        self._last_plan: BatchPlan | None = None  # that plan and its shape (observed after it ran)
+        self._last_shape = IterationShape()
 
     # ---------------------------------------------------------------------------- the step
     def mode(self, has_inference_work: bool, has_finetune_work: bool) -> StepMode:
@@ -234,7 +236,8 @@ class HybridTokenScheduler:
 
     def finish_step(self, plan: BatchPlan, num_waiting: int) -> None:
         """Advance the temporal policies after a plan was built."""
-        self.last_predicted_s = self.latency_model.predict(plan_shape(plan))
+        self._last_plan, self._last_shape = plan, plan_shape(plan)
+        self.last_predicted_s = self.latency_model.predict(self._last_shape)
         if self.in_finetune_phase:
             if plan.optimizer_steps or not (plan.finetune_windows or plan.backward_windows):
                 self.in_finetune_phase = False  # one fine-tuning step done (or nothing to do)
@@ -253,7 +256,8 @@ class HybridTokenScheduler:
 
     def observe(self, plan: BatchPlan, seconds: float) -> None:
         """The measured time of an executed plan (corrects the latency model online)."""
-        self.latency_model.observe(plan_shape(plan), seconds)
+        shape = self._last_shape if plan is self._last_plan else plan_shape(plan)
+        self.latency_model.observe(shape, seconds)
 
     # ------------------------------------------------------------------------------ fairness
     def request_queued(self, request: Request) -> None:

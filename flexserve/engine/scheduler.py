@@ -231,8 +231,9 @@ class Scheduler:
         adapters = self.adapter_manager
         claimed: set[int] = set()  # adapters held back so a skipped request gets their slot
         queues: dict[str, deque[Request]] = {}  # tenant -> its waiting requests, in order
-        for request in self.waiting:
-            queues.setdefault(request.tenant, deque()).append(request)
+        if budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
+            for request in self.waiting:
+                queues.setdefault(request.tenant, deque()).append(request)
         while (
             queues
             and budget > 0
