@@ -13,15 +13,9 @@ import threading
 import pytest
 
 from flexserve.finetune import store as store_module
-from flexserve.finetune.store import (
-    CheckpointRecord,
-    EventRecord,
-    FileRecord,
-    JobRecord,
-    StateStore,
-    new_id,
-    sanitize_filename,
-)
+from flexserve.finetune.records import CheckpointRecord, EventRecord, FileRecord, JobRecord
+from flexserve.finetune.store import StateStore, new_id, sanitize_filename
+from flexserve.finetune.store_schema import SCHEMA_VERSION
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +60,7 @@ def test_layout_and_checkpoint_dir(tmp_path):
     journal_mode = s._conn.execute("PRAGMA journal_mode").fetchone()[0]
     synchronous = s._conn.execute("PRAGMA synchronous").fetchone()[0]
     assert (journal_mode, synchronous) == ("wal", 2)  # 2 is FULL
-    assert s._conn.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+    assert s._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     s.close()
 
 
@@ -306,7 +300,7 @@ def test_reopen_keeps_everything(tmp_path):
         assert reopened.list_events(job.id)[0] == [newer, event]  # sequence continues
 
     conn = sqlite3.connect(os.path.join(state_dir, "finetune", "state.sqlite3"))
-    conn.execute(f"PRAGMA user_version={store_module.SCHEMA_VERSION + 1}")
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
     conn.close()
     with pytest.raises(RuntimeError, match="newer"):
         StateStore(state_dir)
@@ -330,7 +324,8 @@ def test_open_sweeps_what_a_crash_leaves(tmp_path):
 
 _CRASH_CHILD = textwrap.dedent("""
     import sys
-    from flexserve.finetune.store import JobRecord, StateStore, new_id
+    from flexserve.finetune.records import JobRecord
+    from flexserve.finetune.store import StateStore, new_id
     assert "torch" not in sys.modules
     store = StateStore(sys.argv[1])
     i = 0
@@ -512,7 +507,7 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path):
     file_id, job_id = old_store(state_dir)
     with StateStore(state_dir) as s:
         version = s._conn.execute("PRAGMA user_version").fetchone()[0]
-        assert version == store_module.SCHEMA_VERSION == 2
+        assert version == SCHEMA_VERSION == 2
         old = s.get_file(file_id)
         assert (old.filename, old.bytes, old.tenant) == ("old.jsonl", 16, "default")
         assert s.read_file(file_id, tenant="default") == b'{"text": "old"}\n'  # content kept

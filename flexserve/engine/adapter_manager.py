@@ -31,6 +31,10 @@ class AdapterExistsError(ValueError):
     """An adapter with this name is already loaded."""
 
 
+class NoFreeSlotError(ValueError):
+    """Every LoRA slot is pinned by running requests now; a fine-tuning job may retry later."""
+
+
 class AdapterLoadError(RuntimeError):
     """The worker could not copy an adapter into its slot; the requests using it were ended."""
 

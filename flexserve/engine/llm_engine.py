@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flexserve.config import EngineConfig, flexserve_home
-from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager
+from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager, NoFreeSlotError
 from flexserve.engine.engine_core import EngineCore, Executor, LoRAExecutor, StepStats
 from flexserve.engine.finetune_scheduler import (
     FinetuneJobState,
@@ -303,7 +303,7 @@ class LLMEngine:
         lora_request = LoRARequest(owner, next(self._lora_ids), "<fine-tuning job>")
         slot = adapters.reserve_slot(owner, lora_request)
         if slot is None:
-            raise ValueError("every LoRA slot is pinned by running requests; retry when they "
+            raise NoFreeSlotError("every LoRA slot is pinned by running requests; retry when they "
                              "finish or raise max_loras")
         job.lora_slot = slot
         try:

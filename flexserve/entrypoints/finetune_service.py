@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexserve.engine.adapter_manager import NoFreeSlotError
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from flexserve.entrypoints.finetune_adapters import (
     checkpoint_model_name,
@@ -43,7 +44,8 @@ from flexserve.entrypoints.finetune_adapters import (
 )
 from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
 from flexserve.finetune.hyperparameters import Hyperparameters
-from flexserve.finetune.store import JOB_STATUSES, JobRecord, StateStore
+from flexserve.finetune.records import JOB_STATUSES, JobRecord
+from flexserve.finetune.store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +272,7 @@ class FinetuneService:
                     await self._set_status(job_id, "cancelled", "The job was cancelled.",
                                            finished_at=int(time.time()))
                     await self._let_go(job_id, active)
-                elif "LoRA slot" in str(e):  # requests pin every slot now: wait for one
+                elif isinstance(e, NoFreeSlotError):  # requests pin every slot now: wait
                     await asyncio.sleep(_SLOT_RETRY_S)
                     continue
                 else:

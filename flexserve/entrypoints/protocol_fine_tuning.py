@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from flexserve.entrypoints.protocol import OpenAIModel
-from flexserve.finetune.store import CheckpointRecord, EventRecord, FileRecord, JobRecord
+from flexserve.finetune.records import CheckpointRecord, EventRecord, FileRecord, JobRecord
 
 FILE_PURPOSES = ("fine-tune",)  # what this server accepts (OpenAI has more)
 DEFAULT_LEARNING_RATE_FOR_MULTIPLIER = 1e-4  # learning_rate_multiplier 1.0 means this LR

@@ -38,7 +38,8 @@ from flexserve.entrypoints.serving_files import int_query_param
 from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.steps import plan_training_steps
-from flexserve.finetune.store import JobRecord, new_id
+from flexserve.finetune.records import JobRecord
+from flexserve.finetune.store import new_id
 
 MAX_PAGE_LIMIT = 1000
 _HP_FIELDS = ("batch_size", "learning_rate", "learning_rate_multiplier", "lr_scheduler",
