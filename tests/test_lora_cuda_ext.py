@@ -305,10 +305,14 @@ MODEL = "llama-3.1-8b"
 # LOGPROB_ATOL and lie within MARGIN of Triton's argmax. Besides the float32 summation order of
 # the LoRA shrink, the generation is decode (one token a step, CUDA graphs) and the scoring a
 # bf16 prefill, so the argmax must agree at almost every position and the logprobs within a few
-# bf16 ulps: measured on the H200, 0.125 at most (at logprobs around -6), so the bound is 0.25.
+# bf16 ulps. Random weights make the distributions flat (top logprobs around -7), so greedy
+# decoding meets near-ties: measured on the H200, logprob gaps up to 0.125 and chosen tokens up
+# to 0.156 below the prefill's argmax, so both bounds are 0.25.
+# The same check of Triton's own decode against its prefill (backend "triton", the baseline)
+# agrees at 108/120 positions on the H200; the extension at 109 (cuda) and 113 (auto).
 LOGPROB_ATOL = 0.25
-MARGIN = 0.1
-ARGMAX_SHARE = 0.95
+MARGIN = 0.25
+ARGMAX_SHARE = 0.85
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +343,7 @@ def lora_engine(tmp_path_factory):
 
 @gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["auto", "cuda"])
+@pytest.mark.parametrize("backend", ["triton", "auto", "cuda"])
 def test_lora_decode_tokens_match_triton(lora_engine, backend, monkeypatch):
     from flexserve import LoRARequest, SamplingParams
 
