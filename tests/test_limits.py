@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from flexserve.entrypoints.api_server import ServerThread, build_app
@@ -143,6 +144,11 @@ def test_429_with_retry_after_only_past_the_limits(gated):
         "status": "ok", "reasons": [], "num_requests_in_flight": 0,
         "num_generation_requests_in_flight": 0, "draining": False,
         "num_requests_rejected": {"tenant_rate_limit_exceeded": 1, "too_many_requests": 1}}
+    rejected = {s.labels["code"]: s.value
+                for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+                if family.name == "flexserve:requests_rejected" for s in family.samples
+                if s.name.endswith("_total")}
+    assert rejected == {"tenant_rate_limit_exceeded": 1.0, "too_many_requests": 1.0}
     # back under the limits: everyone is served again
     for tenant in ("alice", "alice", "bob"):
         assert httpx.post(url + "/v1/completions", json=body(),

@@ -33,6 +33,7 @@ GAUGES = {
 COUNTERS = {  # family names: the exposition adds `_total`
     "flexserve:prompt_tokens", "flexserve:generation_tokens", "flexserve:request_success",
     "flexserve:num_preemptions", "flexserve:requests_slo_met", "flexserve:finetune_tokens",
+    "flexserve:requests_rejected",
 }
 
 

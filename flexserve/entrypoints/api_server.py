@@ -101,7 +101,7 @@ def build_app(
     if api_key and api_keys is not None:
         raise ValueError("give either api_key or api_keys, not both")
     keys = APIKeyTable.from_sources([api_key]) if api_key else api_keys
-    admission = AdmissionController(limits)
+    admission = AdmissionController(limits, on_reject=metrics.record_rejection)
     health_monitor = HealthMonitor()
     engine.add_finetune_listener(health_monitor.on_finetune_updates)
     # --- end reliability and security ---

@@ -23,6 +23,7 @@ import asyncio
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -75,8 +76,10 @@ class AdmissionController:
     """Counts in-flight requests and decides admit / 429 / 503. Event-loop only (not
     thread-safe): the ASGI app runs on one loop."""
 
-    def __init__(self, limits: AdmissionLimits | None = None) -> None:
+    def __init__(self, limits: AdmissionLimits | None = None,
+                 on_reject: Callable[[str], None] | None = None) -> None:
         self.limits = limits or AdmissionLimits()
+        self.on_reject = on_reject  # called with the error code of every refusal (metrics)
         self.num_in_flight = 0  # counted requests of any route
         self.num_generation_in_flight = 0  # generation requests
         self.tenant_in_flight: Counter[str] = Counter()  # generation requests per tenant
@@ -135,6 +138,8 @@ class AdmissionController:
 
     def _reject(self, status_code: int, message: str, code: str) -> Rejection:
         self.num_rejected[code] += 1
+        if self.on_reject is not None:
+            self.on_reject(code)
         return Rejection(status_code, message, code, self.retry_after_s())
 
     def retry_after_s(self) -> int:

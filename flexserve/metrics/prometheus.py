@@ -154,6 +154,12 @@ class PrometheusStatLogger:
             "Rolling mean of |predicted - measured| / measured iteration time of the latency "
             "model that sizes fine-tuning windows.")
 
+        self._requests_rejected = Counter(
+            "flexserve:requests_rejected",
+            "Requests refused before reaching the engine, by error code (429 too_many_requests "
+            "or tenant_rate_limit_exceeded, 503 server_shutting_down).",
+            labels + ["code"], registry=r)
+
         # LoRA families exist only when LoRA is enabled: a base-only server exposes none.
         self.lora_requests_running: Gauge | None = None
         self.lora_adapters_loaded: dict[str, Gauge] = {}
@@ -235,6 +241,10 @@ class PrometheusStatLogger:
                               ("backward", stats.finetune_backward_tokens)):
             for job_id, num_tokens in tokens.items():
                 self._finetune_tokens.labels(self.model_name, job_id, phase).inc(num_tokens)
+
+    def record_rejection(self, code: str) -> None:
+        """One request refused by admission control (called on the server's event loop)."""
+        self._requests_rejected.labels(self.model_name, code).inc()
 
     def _record_lora(self, stats: IterationStats) -> None:
         assert self.lora_requests_running is not None
