@@ -1,7 +1,7 @@
 """The CUDA C++ BGMV decode kernels (csrc/lora_bgmv.cu): built once per machine, loaded as torch ops.
 
 `load_lora_bgmv()` compiles csrc/lora_bgmv.{cu,cpp} with torch.utils.cpp_extension on the first
-call (a minute or so; later processes reuse the cached build under
+call (one nvcc compile of the two files; later processes reuse the cached build under
 $FLEXSERVE_HOME/torch_extensions/<torch>-cu<cuda>-sm<arch>) and registers
 `torch.ops.flexserve.lora_bgmv_shrink` and `torch.ops.flexserve.lora_bgmv_expand`. Where it cannot
 (CPU torch, no GPU, no nvcc or ninja, a failed build) it returns None and logs the reason once;

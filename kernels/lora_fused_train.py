@@ -105,6 +105,20 @@ def _lora_train_shrink_fwd_kernel(
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles share each
+    column tile of the weight while it is in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
 def tile_segments(token_segs_ptr, rows, num_rows):
     """[first, end) of the segments that rows (sorted, a tile) overlap; empty when none."""
     segs = tl.load(token_segs_ptr + rows, mask=rows < num_rows, other=-1)
@@ -122,15 +136,7 @@ def _lora_train_linear_fwd_kernel(
     GROUP_M: tl.constexpr,
 ):
     # m_bucket (next power of two of M) is only the autotuner's key.
-    # Grouped tile order: GROUP_M row tiles share each column of W while it is in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

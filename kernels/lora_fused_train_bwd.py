@@ -23,6 +23,7 @@ from flexserve_kernels.lora_fused_train import (
     LoRATrainSlots,
     dropout_keep,
     gemm_configs,
+    grouped_tile,
     rank_block,
     tile_segments,
 )
@@ -156,14 +157,7 @@ def _lora_train_dx_bwd_kernel(
     BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # dX [M, N=in] = dY [M, K=out] W [K, N]; m_bucket is only the autotuner's key.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
