@@ -377,8 +377,17 @@ def compile_check(arch: int = 90) -> list[dict]:
     rows.append(build("rotary", rotary._rotary_embedding_kernel,
                       dict(q_ptr="bf16", k_ptr="bf16", cos_sin_ptr="fp32", positions_ptr="i64"),
                       dict(HALF=d // 2, BLOCK_HALF=d // 2, BLOCK_H=shape["num_heads"])))
+    no_lora = dict(s_ptr=None, b_ptr=None, scaling_ptr=None, token_slots_ptr=None, HAS_LORA=False, RANK_PAD=1)
     rows.append(build("silu_and_mul", activation._silu_and_mul_kernel,
-                      dict(gate_ptr="bf16", up_ptr="bf16", out_ptr="bf16"), dict(BLOCK=1024)))
+                      dict(gate_ptr="bf16", up_ptr="bf16", out_ptr="bf16"), dict(BLOCK=1024, **no_lora)))
+    lora = dict(s_ptr="bf16", b_ptr="bf16", scaling_ptr="fp32", token_slots_ptr="i32")
+    rows.append(build("silu_and_mul + folded LoRA", activation._silu_and_mul_kernel,
+                      dict(gate_ptr="bf16", up_ptr="bf16", out_ptr="bf16", **lora),
+                      dict(BLOCK=128, HAS_LORA=True, RANK_PAD=16)))
+    rows.append(build("rmsnorm + folded LoRA", rmsnorm._rmsnorm_lora_kernel,
+                      dict(x_ptr="bf16", residual_ptr="bf16", weight_ptr="bf16", out_ptr="bf16",
+                           residual_out_ptr="bf16", **lora),
+                      dict(RANK_PAD=16, CHUNK=512), floats=("eps",)))
     for r in rows:
         r["arch"] = f"sm_{arch}"
         r["triton"] = triton.__version__

@@ -1,7 +1,9 @@
 """Child-process helper: greedy outputs of a checkpoint as JSON, for comparing kernel paths.
 
-    python tests/_model_outputs.py MODEL_DIR  ->  prints [{"tokens": [...], "logprobs": [...],
-    "prompt_logprobs": [...]}, ...] for PROMPTS (run with TRITON_INTERPRET=1 for the Triton path)
+    python tests/_model_outputs.py MODEL_DIR [ADAPTER_DIR]  ->  prints [{"tokens": [...],
+    "logprobs": [...], "prompt_logprobs": [...]}, ...] for PROMPTS (run with TRITON_INTERPRET=1
+    for the Triton path). With a PEFT adapter directory, LoRA is on (2 slots of rank 2: small
+    enough that the merged GEMMs fold the shrinks) and every other prompt uses the adapter.
 """
 
 from __future__ import annotations
@@ -16,16 +18,21 @@ PROMPTS = [[5, 17, 33, 2, 99, 120, 7, 64, 31, 8, 12, 200, 201, 3, 44, 45, 46, 47
            [42]]
 
 
-def outputs(model_dir: str) -> list[dict]:
-    from flexserve import LLM, SamplingParams
+def outputs(model_dir: str, adapter_dir: str | None = None) -> list[dict]:
+    from flexserve import LLM, LoRARequest, SamplingParams
 
+    lora = {} if adapter_dir is None else dict(enable_lora=True, max_loras=2, max_lora_rank=2)
     # A small token budget forces chunked prefill next to decode rows: mixed Triton batches.
     llm = LLM(model_dir, device="cpu", dtype="float32", max_model_len=64,
-              max_num_batched_tokens=20, kv_cache_gib=0.01)
+              max_num_batched_tokens=20, kv_cache_gib=0.01, **lora)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0,
                             prompt_logprobs=0)
+    requests = None
+    if adapter_dir is not None:
+        requests = [LoRARequest("a", 1, adapter_dir) if i % 2 == 0 else None for i in range(len(PROMPTS))]
     result = []
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)):
+    generated = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=requests)
+    for prompt, out in zip(PROMPTS, generated):
         c = out.outputs[0]
         result.append({
             "tokens": c.token_ids,
@@ -37,4 +44,4 @@ def outputs(model_dir: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(outputs(sys.argv[1])))
+    print(json.dumps(outputs(*sys.argv[1:3])))

@@ -36,6 +36,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> block table
+        # request id -> the same table as block ids, kept in step so that building a plan row
+        # costs one list copy, not a pass over the blocks every step
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # request id -> leading blocks of its table already offered to the hash map, so each full
         # block is hashed and registered once however many steps it took to fill
         self.num_cached_blocks: dict[str, int] = {}
@@ -64,7 +67,8 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (a new list; empty when it holds none)."""
-        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+        block_ids = self.req_to_block_ids.get(request_id)
+        return [] if block_ids is None else block_ids.copy()
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of the request's leading full blocks found in the prefix cache.
@@ -121,6 +125,19 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and new_computed_blocks is None:
+            # Fast path of a running request (most decode steps): its table may already cover
+            # the new tokens, so nothing is allocated.
+            num_total_tokens = request.num_computed_tokens + num_new_tokens
+            if num_total_tokens <= len(blocks) * self.block_size:
+                if num_total_tokens > request.num_tokens:
+                    raise ValueError(
+                        f"request {request.request_id}: {num_total_tokens} tokens scheduled, "
+                        f"{request.num_tokens} known"
+                    )
+                if self.enable_prefix_caching and cache_blocks:
+                    self._cache_full_blocks(request, blocks, num_total_tokens)
+                return []
         hits = list(new_computed_blocks or ())
         if hits and (blocks or request.num_computed_tokens):
             raise ValueError(f"request {request.request_id} already has computed tokens")
@@ -138,19 +155,24 @@ class KVCacheManager:
 
         if blocks is None:
             blocks = self.req_to_blocks[request.request_id] = []
+            self.req_to_block_ids[request.request_id] = []
             self.num_cached_blocks[request.request_id] = 0
+        block_ids = self.req_to_block_ids[request.request_id]
         if new_computed_blocks is not None and self.enable_prefix_caching:
             self.num_prefix_cache_query_tokens += request.num_tokens
             self.num_prefix_cache_hit_tokens += len(hits) * self.block_size
         self.block_pool.touch(hits)
         blocks.extend(hits)
+        block_ids.extend(block.block_id for block in hits)
         self.num_cached_blocks[request.request_id] += len(hits)
         num_fresh = max(0, cdiv(num_total_tokens, self.block_size) - len(blocks))
         new_blocks = self.block_pool.get_new_blocks(num_fresh)
         blocks.extend(new_blocks)
+        new_block_ids = [block.block_id for block in new_blocks]
+        block_ids.extend(new_block_ids)
         if self.enable_prefix_caching and cache_blocks:
             self._cache_full_blocks(request, blocks, num_total_tokens)
-        return [block.block_id for block in new_blocks]
+        return new_block_ids
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; freeing a request that holds none is a no-op.
@@ -160,6 +182,7 @@ class KVCacheManager:
         blocks, and evicting a middle block would make the blocks after it unreachable anyway.
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
@@ -198,6 +221,7 @@ class KVCacheManager:
             ids = [block.block_id for block in blocks]
             assert len(ids) == len(set(ids)), f"{request_id} holds a block twice: {ids}"
             assert self.num_cached_blocks[request_id] <= len(blocks), request_id
+            assert self.req_to_block_ids[request_id] == ids, f"{request_id}: stale block ids"
             for block_id in ids:
                 holders[block_id] += 1
         for block in self.block_pool.blocks:
@@ -205,3 +229,4 @@ class KVCacheManager:
                 f"{block} is held by {holders[block.block_id]} tables"
             )
         assert self.req_to_blocks.keys() == self.num_cached_blocks.keys(), "bookkeeping keys"
+        assert self.req_to_blocks.keys() == self.req_to_block_ids.keys(), "bookkeeping keys"

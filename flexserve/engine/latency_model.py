@@ -375,7 +375,11 @@ class OnlineLatencyModel:
       measured iterations (0 before the first; the cap alone bounds that first window).
     - Then every `refit_interval` observations the model is refitted by NNLS (like a profile) on
       the last `max_samples` observations, and predict = fit x scale x safety_factor (the scale
-      restarts at 1 after each refit and tracks drift between refits).
+      restarts at 1 after each refit and tracks drift between refits). A due refit runs when
+      the fit is next used for fine-tuning work (a prediction with fine-tuning tokens, `model`,
+      the caps), not in `observe`: inference-only serving never pays for it (a refit on 512
+      samples took ~16 ms of host time, ~0.5 ms per decode step on average, measured on this
+      project's CPU with `benchmarks/host_overhead.py --profile`).
     """
 
     def __init__(self, base: LatencyModel | None, ewma_alpha: float = 0.1, *,
@@ -403,6 +407,7 @@ class OnlineLatencyModel:
         self._recent: deque[float] = deque(maxlen=16)
         self._fitted: LatencyModel | None = None
         self._since_fit = 0
+        self._refit_due = False
         self._max_finetune_tokens = initial_window
         self._max_backward_tokens = initial_window
 
@@ -428,23 +433,34 @@ class OnlineLatencyModel:
     @property
     def model(self) -> LatencyModel | None:
         """The profile, else the fallback's current fit (None before its first)."""
-        return self.base if self.base is not None else self._fitted
+        if self.base is not None:
+            return self.base
+        self._refit_if_due()
+        return self._fitted
 
     @property
     def max_finetune_tokens(self) -> int | None:
         """The fallback's cap on fine-tuning forward tokens per iteration (None with a profile)."""
-        return None if self.base is not None else self._max_finetune_tokens
+        if self.base is not None:
+            return None
+        self._refit_if_due()
+        return self._max_finetune_tokens
 
     @property
     def max_backward_tokens(self) -> int | None:
         """The fallback's cap on backward token-layers per iteration (None with a profile)."""
-        return None if self.base is not None else self._max_backward_tokens
+        if self.base is not None:
+            return None
+        self._refit_if_due()
+        return self._max_backward_tokens
 
     def predict(self, shape: IterationShape) -> float:
         """Seconds the iteration is expected to take (corrected); inf when the fallback refuses
         to extrapolate that far."""
         if self.base is not None:
             return self.base.predict(shape) * self._scale
+        if shape.finetune_tokens or shape.backward_tokens:
+            self._refit_if_due()
         if (shape.finetune_tokens > self._max_finetune_tokens
                 or shape.backward_tokens > self._max_backward_tokens):
             return math.inf
@@ -460,7 +476,8 @@ class OnlineLatencyModel:
         if math.isfinite(predicted) and predicted > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
         self._num_observed += 1
-        uncorrected = self.model.predict(shape) if self.model is not None else 0.0
+        model = self.base if self.base is not None else self._fitted
+        uncorrected = model.predict(shape) if model is not None else 0.0
         if uncorrected > 0:
             raw = seconds / uncorrected
             # A lone iteration several times slower than predicted is a stall (a kernel compiled
@@ -479,7 +496,12 @@ class OnlineLatencyModel:
             self._recent.append(seconds)
             self._since_fit += 1
             if self._since_fit >= self.refit_interval or self._fitted is None:
-                self._refit()
+                self._refit_due = True
+
+    def _refit_if_due(self) -> None:
+        if self._refit_due:
+            self._refit_due = False
+            self._refit()
 
     def _refit(self) -> None:
         distinct = {astuple(shape) for shape, _ in self._samples}

@@ -62,6 +62,7 @@ class PreparedRequest:
     arrival_time: float  # time.monotonic() at arrival
     lora_name: str | None = None  # adapter to use (resolved when enqueued); None: base model
     tenant: str = "default"  # the fair-share account it is charged to (the request's `user`)
+    final_output_only: bool = False  # `step` returns only its finished output (offline generate)
 
 
 class LLMEngine:
@@ -146,11 +147,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_name: str | None = None,
         tenant: str = "default",
+        final_output_only: bool = False,
     ) -> PreparedRequest:
         """Tokenize and validate a prompt; raises ValueError on bad input.
 
         Touches no engine state, so a server may call it off the engine thread and hand the
-        result to `add_prepared_request` there.
+        result to `add_prepared_request` there. `final_output_only`: `step` returns no output
+        for it until it finished (no per-step output objects; the offline `LLM` uses it).
         """
         text, token_ids = self.input_processor.process(prompt)
         return PreparedRequest(
@@ -162,6 +165,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             lora_name=lora_name,
             tenant=tenant,
+            final_output_only=final_output_only,
         )
 
     def add_prepared_request(self, prepared: PreparedRequest) -> None:
@@ -186,7 +190,8 @@ class LLMEngine:
             for i, child_id in enumerate(child_ids)
         ]
         self.output_processor.add_request(
-            request_id, prepared.prompt_text, prepared.prompt_token_ids, params, child_ids
+            request_id, prepared.prompt_text, prepared.prompt_token_ids, params, child_ids,
+            prepared.final_output_only,
         )
         self._children[request_id] = child_ids
         try:
@@ -204,13 +209,16 @@ class LLMEngine:
         prompt_text: str | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        final_output_only: bool = False,
     ) -> None:
         """Validate and enqueue a prompt (text or token ids); raises ValueError on bad input.
 
         `lora_name` selects a loaded adapter (see `add_lora`); None runs the base model.
+        `final_output_only`: `step` returns its output only once it finished.
         """
         self.add_prepared_request(
-            self.process_inputs(request_id, prompt, params, prompt_text, arrival_time, lora_name)
+            self.process_inputs(request_id, prompt, params, prompt_text, arrival_time, lora_name,
+                                final_output_only=final_output_only)
         )
 
     def abort_request(self, request_ids: list[str] | str) -> None:

@@ -84,11 +84,16 @@ class _Parent:
     """One user prompt and its n completions."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "params", "completions",
-                 "prompt_logprobs", "prompt_logprobs_source", "num_cached_tokens")
+                 "prompt_logprobs", "prompt_logprobs_source", "num_cached_tokens",
+                 "final_output_only")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, completions: list[_Completion]) -> None:
+                 params: SamplingParams, completions: list[_Completion],
+                 final_output_only: bool = False) -> None:
         self.request_id = request_id
+        # The caller wants the finished output alone (offline `LLM.generate`): no per-step
+        # output objects are built for it.
+        self.final_output_only = final_output_only
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -133,8 +138,13 @@ class OutputProcessor:
         return len(self._parents)
 
     def add_request(self, parent_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str]) -> None:
-        """Track a prompt whose completions are the scheduler requests `child_ids` (in order)."""
+                    params: SamplingParams, child_ids: list[str],
+                    final_output_only: bool = False) -> None:
+        """Track a prompt whose completions are the scheduler requests `child_ids` (in order).
+
+        `final_output_only`: `process` returns an output for it only once it finished (its text
+        is still detokenized incrementally, so stop strings end it on the same token).
+        """
         if parent_id in self._parents:
             raise ValueError(f"request {parent_id!r} is already being processed")
         completions = []
@@ -144,7 +154,8 @@ class OutputProcessor:
                 detokenizer = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             completions.append(_Completion(child_id, index, params, detokenizer))
-        parent = _Parent(parent_id, prompt, prompt_token_ids, params, completions)
+        parent = _Parent(parent_id, prompt, prompt_token_ids, params, completions,
+                         final_output_only)
         self._parents[parent_id] = parent
         for completion in completions:
             self._children[completion.request_id] = (parent, completion)
@@ -189,6 +200,8 @@ class OutputProcessor:
                     stopped.append(request.request_id)
         outputs = []
         for parent in changed.values():
+            if parent.final_output_only and not parent.finished:
+                continue
             try:
                 output = parent.to_output()
             except Exception as e:  # this prompt's failure only

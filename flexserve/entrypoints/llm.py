@@ -200,8 +200,9 @@ class LLM:
         try:
             for (prompt, text), params, lora_name in zip(prompts, params_list, lora_names):
                 request_id = engine.next_request_id()
+                # Only finished outputs are used here: none is built for the steps between.
                 engine.add_request(request_id, prompt, params, prompt_text=text,
-                                   lora_name=lora_name)
+                                   lora_name=lora_name, final_output_only=True)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)

@@ -140,11 +140,7 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
     if not active:
         return
     modules, outputs = tuple(m for m, _ in active), tuple(y for _, y in active)
-    # FLEXSERVE_LORA_DECODE_BACKEND=cuda sends these groups to the CUDA BGMV pair as well; by
-    # default they stay fused (lora_shrink/lora_expand pick the CUDA pair for the others).
-    if (use_triton(x.device) and (meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS)
-            and all(m.target in _FUSED_DECODE_TARGETS for m in modules)
-            and not cuda_decode_replaces_fused(x.device, meta)):
+    if folds_batch(x, meta) and all(m.target in _FUSED_DECODE_TARGETS for m in modules):
         from flexserve_kernels.lora_fused import lora_fused_bgmv
 
         lora_fused_bgmv(x, [(m.lora_a, m.lora_b, m.scaling, y) for m, y in zip(modules, outputs)],
@@ -152,3 +148,12 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
         return
     for module, y in zip(modules, outputs):
         lora_expand(lora_shrink(x, module.lora_a, meta), module.lora_b, meta, y, module.scaling)
+
+
+def folds_batch(x: torch.Tensor, meta) -> bool:
+    """Whether a batch is decode-sized LoRA work for the Triton path: the fused shrink+expand
+    kernel or, in a merged group with folded shrinks (`MergedProjection.fold_lora`), the folded
+    GEMM and one expand. FLEXSERVE_LORA_DECODE_BACKEND=cuda sends such batches to the CUDA BGMV
+    pair instead (lora_shrink/lora_expand pick it)."""
+    return (use_triton(x.device) and (meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS)
+            and not cuda_decode_replaces_fused(x.device, meta))

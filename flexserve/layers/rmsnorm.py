@@ -6,6 +6,8 @@ residual add and the norm with the same roundings; elsewhere the torch code belo
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -25,12 +27,16 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: Any = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`lora`: x's pending folded LoRA bypass (a `FoldedLoRA`, Triton path only), added to
+        x inside the kernel."""
         if use_triton(x.device):
             from flexserve_kernels.rmsnorm import rmsnorm
 
-            return rmsnorm(x, self.weight, self.variance_epsilon, residual)
+            return rmsnorm(x, self.weight, self.variance_epsilon, residual, lora=lora)
+        if lora is not None:
+            raise ValueError("a folded LoRA bypass needs the Triton kernels")
         if residual is not None:
             x = x + residual
             return self._norm(x), x

@@ -37,8 +37,9 @@ def derive_seed(seed: int, step: int) -> int:
 class SamplingMetadata:
     """Per-row sampling inputs for one step, as tensors on the sampling device. N rows, V vocab."""
 
-    temperature: torch.Tensor  # [N] float32; 1.0 on greedy rows so the division is harmless
-    greedy: torch.Tensor  # [N] bool; rows that take the argmax
+    # [N] float32; 1.0 on greedy rows so the division is harmless; None when all rows are greedy
+    temperature: torch.Tensor | None
+    greedy: torch.Tensor | None  # [N] bool; rows that take the argmax; None when all are greedy
     all_greedy: bool  # no row samples randomly (skip the random path)
     all_random: bool  # no row is greedy (skip the argmax)
     top_k: torch.Tensor | None  # [N] int64 in [1, V] (V: disabled); None when no row uses it
@@ -66,6 +67,21 @@ class SamplingMetadata:
         default_generator_seed: int = 0,
     ) -> SamplingMetadata:
         """Tensors for `rows` (the plan rows with `needs_sample`, in order)."""
+        all_params = [row.sampling_params for row in rows]
+        if all(p.greedy and p.min_tokens == 0 and not p.has_penalties for p in all_params):
+            # The common decode batch: argmax only, so no per-row tensor is needed (each one
+            # would be a host-to-device copy per step).
+            num_logprobs = [p.logprobs for p in all_params]
+            requested = [k for k in num_logprobs if k is not None]
+            return cls(
+                temperature=None, greedy=None, all_greedy=True, all_random=not rows,
+                top_k=None, top_p=None, min_p=None, presence_penalties=None,
+                frequency_penalties=None, repetition_penalties=None, output_token_counts=None,
+                prompt_token_mask=None, min_tokens_rows=None, min_tokens_token_ids=None,
+                seeded_rows=[], needs_shared_generator=False, num_logprobs=num_logprobs,
+                max_num_logprobs=max(requested) if requested else None,
+                default_generator_seed=default_generator_seed,
+            )
         temperature, greedy, top_k, top_p, min_p = [], [], [], [], []
         seeded_rows: list[tuple[int, int]] = []
         needs_shared_generator = False

@@ -32,11 +32,17 @@ from torch import nn
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
-from flexserve.layers.lora_linear import add_lora
+from flexserve.layers.lora_linear import add_lora, folds_batch
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
+from flexserve_kernels.lora_folded import FoldedLoRA
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# LoRA A rows folded into a merged GEMM may add at most this fraction of its weight rows: decode
+# steps with adapters stream them all (max_loras x max_lora_rank per projection). The defaults
+# (4 slots of rank 64) add 12.5% to Llama-3.1-8B's q/k/v GEMM, 6.25% to o and down, 1.8% to
+# gate/up: 4.5% of a layer's weight bytes, against 5 extra kernel launches a layer unfolded.
+FOLD_MAX_FRACTION = 0.125
 
 
 def check_supported(config: Any, max_model_len: int | None = None) -> None:
@@ -73,12 +79,21 @@ class MergedProjection:
     per-projection names and memory is not doubled. Calling it runs the one GEMM, splits the
     output into column slices and adds each projection's LoRA bypass into its slice. A plain
     attribute holder, not a Module: the merged tensor is not a parameter of its own.
+
+    `fold_lora` (LoRA on, GPU path) also places every slot's LoRA A rows below the weight rows,
+    so a decode-sized batch with adapters gets the base outputs and all shrinks from one GEMM and
+    adds the bypass with one expand launch (`flexserve_kernels.lora_expand_folded`). Larger
+    batches, and batches without adapters, multiply by the weight rows only.
     """
 
     def __init__(self) -> None:
-        self.weight: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None  # [sum(sizes), in]: the projections' weights
         self.bias: torch.Tensor | None = None
         self.sizes: list[int] = []
+        self.folded: torch.Tensor | None = None  # weight rows, then P x num_slots x max_rank A rows
+        self.folded_bias: torch.Tensor | None = None  # bias, then zeros for the A rows
+        self.lora_b: torch.Tensor | None = None  # [num_slots, sum(sizes), max_rank]: B side by side
+        self.scaling: torch.Tensor | None = None  # [P, num_slots] float32
 
     @torch.no_grad()
     def merge(self, linears: tuple[nn.Module, ...]) -> None:
@@ -88,17 +103,80 @@ class MergedProjection:
         if all(b is not None for b in biases):
             self.bias = torch.cat([b.data for b in biases])
         self.sizes = [w.shape[0] for w in weights]
+        self._point_views(linears, self.weight, self.bias)
+
+    @torch.no_grad()
+    def fold_lora(self, linears: tuple[nn.Module, ...], max_fraction: float) -> bool:
+        """Fold the `LoRALinear`s' slot A rows into the GEMM (merging first if needed) when they add
+        at most `max_fraction` of the weight rows; returns whether it did. Each linear's `lora_a`,
+        `lora_b` and `scaling` become views of the group's tensors, so slot loads land in them."""
+        num_slots, max_rank = linears[0].max_loras, linears[0].max_rank
+        if any((m.max_loras, m.max_rank) != (num_slots, max_rank) for m in linears):
+            raise ValueError("a merged group's LoRA linears must share max_loras and max_rank")
+        lora_rows = num_slots * max_rank
+        if len(linears) * lora_rows > max_fraction * sum(m.out_features for m in linears):
+            return False
+        if self.weight is None:
+            self.merge(linears)
+        num_rows, in_features = self.weight.shape
+        like = dict(device=self.weight.device, dtype=self.weight.dtype)
+        folded = torch.empty(num_rows + len(linears) * lora_rows, in_features, **like)
+        folded[:num_rows].copy_(self.weight)
+        lora_b = torch.empty(num_slots, num_rows, max_rank, **like)
+        scaling = torch.empty(len(linears), num_slots, device=self.weight.device, dtype=torch.float32)
         start = 0
-        for w, b, size in zip(weights, biases, self.sizes):
-            w.data = self.weight[start:start + size]
-            if self.bias is not None:
-                b.data = self.bias[start:start + size]
+        for p, (module, size) in enumerate(zip(linears, self.sizes)):
+            rows = num_rows + p * lora_rows
+            lora_a = folded[rows:rows + lora_rows].view(num_slots, max_rank, in_features)
+            lora_a.copy_(module.lora_a)
+            lora_b[:, start:start + size].copy_(module.lora_b)
+            scaling[p].copy_(module.scaling)
+            module.lora_a, module.lora_b = lora_a, lora_b[:, start:start + size]
+            module.scaling = scaling[p]
+            start += size
+        if self.bias is not None:
+            self.folded_bias = torch.cat([self.bias, self.bias.new_zeros(folded.shape[0] - num_rows)])
+        self.folded, self.lora_b, self.scaling = folded, lora_b, scaling
+        self._point_views(linears, folded[:num_rows],
+                          None if self.bias is None else self.folded_bias[:num_rows])
+        return True
+
+    def _point_views(self, linears: tuple[nn.Module, ...], weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> None:
+        """Make the group's weight (and bias) `weight`, each linear's Parameters views of its rows."""
+        self.weight, self.bias = weight, bias
+        start = 0
+        for m, size in zip(linears, self.sizes):
+            m.weight.data = weight[start:start + size]
+            if bias is not None:
+                m.bias.data = bias[start:start + size]
             start += size
 
+    def project(
+        self, x: torch.Tensor, linears: tuple[nn.Module, ...]
+    ) -> tuple[torch.Tensor, FoldedLoRA | None]:
+        """(y, bypass): the group's output y [T, sum(sizes)] and, for a decode-sized batch with
+        adapters through the folded GEMM, its LoRA bypass still to be expanded into y (by the
+        caller's consumer kernel or `FoldedLoRA.expand`); otherwise the bypass is added, None."""
+        if self.folded is not None:
+            meta = get_forward_context().lora_meta
+            if meta is not None and meta.has_lora and folds_batch(x, meta):
+                out = F.linear(x, self.folded, self.folded_bias)
+                num_rows = self.weight.shape[0]
+                if not any(m.has_weights_for(meta) for m in linears):
+                    return out[:, :num_rows], None
+                return out[:, :num_rows], FoldedLoRA(out[:, num_rows:], self.lora_b, self.scaling,
+                                                     meta.token_slots, tuple(self.sizes))
+        y = F.linear(x, self.weight, self.bias)
+        add_lora(linears, x, y.split(self.sizes, dim=-1))
+        return y, None
+
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
-        outputs = F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-        add_lora(linears, x, outputs)
-        return outputs
+        """The projections' outputs (column slices of one tensor), LoRA bypasses added."""
+        y, bypass = self.project(x, linears)
+        if bypass is not None:
+            bypass.expand(y)
+        return y.split(self.sizes, dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -119,15 +197,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=o_bias)
         self.attn = Attention(num_heads, head_dim, num_kv_heads, scale=head_dim**-0.5)
         self.qkv = MergedProjection()
+        self.o = MergedProjection()  # o_proj alone; used once LoRA shrinks are folded into it
 
-    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rope: RopeInputs
+    ) -> tuple[torch.Tensor, FoldedLoRA | None]:
+        """(o_proj output, its LoRA bypass when still to be expanded: see `MergedProjection.project`)."""
         if self.qkv.weight is not None:
             q, k, v = self.qkv(hidden, (self.q_proj, self.k_proj, self.v_proj))
             q, k = rope.apply(q, k)
         else:
             q, k = rope.apply(self.q_proj(hidden), self.k_proj(hidden))
             v = self.v_proj(hidden)
-        return self.o_proj(self.attn(q, k, v))
+        hidden = self.attn(q, k, v)
+        if self.o.weight is not None:
+            return self.o.project(hidden, (self.o_proj,))
+        return self.o_proj(hidden), None
 
 
 class LlamaMLP(nn.Module):
@@ -140,13 +225,21 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gate_up = MergedProjection()
+        self.down = MergedProjection()  # down_proj alone; used once LoRA shrinks are folded into it
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, FoldedLoRA | None]:
+        """(down_proj output, its LoRA bypass when still to be expanded). A folded gate/up bypass
+        is expanded inside the SiLU-and-mul kernel."""
+        bypass = None
         if self.gate_up.weight is not None:
-            gate, up = self.gate_up(x, (self.gate_proj, self.up_proj))
+            y, bypass = self.gate_up.project(x, (self.gate_proj, self.up_proj))
+            gate, up = y.split(self.gate_up.sizes, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_and_mul(gate, up))
+        hidden = silu_and_mul(gate, up, lora=bypass)
+        if self.down.weight is not None:
+            return self.down.project(hidden, (self.down_proj,))
+        return self.down_proj(hidden), None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -161,17 +254,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) in, (mlp output, residual before it) out; their sum is the stream."""
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
+        bypass: FoldedLoRA | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, FoldedLoRA | None]:
+        """(hidden, residual, bypass) in and out: the previous layer's MLP output, the residual
+        before it (their sum is the stream) and the MLP output's folded LoRA bypass, which the
+        next RMSNorm adds inside its kernel (None: nothing pending)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, lora=bypass)
+        hidden, bypass = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, lora=bypass)
+        hidden, bypass = self.mlp(hidden)
+        return hidden, residual, bypass
 
     def forward_captured(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, capture: Any
@@ -227,13 +324,13 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         capture = get_forward_context().finetune
-        residual = None
+        residual = bypass = None
         for layer in self.layers:
             if capture is None:
-                hidden, residual = layer(hidden, residual, rope)
+                hidden, residual, bypass = layer(hidden, residual, rope, bypass)
             else:
                 hidden, residual = layer.forward_captured(hidden, residual, rope, capture)
-        hidden, stream = self.norm(hidden, residual)
+        hidden, stream = self.norm(hidden, residual, lora=bypass)
         if capture is not None:
             capture.take_final(stream)  # the last layer's output, where the window loss starts
         return hidden
@@ -273,6 +370,22 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv.merge((attn.q_proj, attn.k_proj, attn.v_proj))
             mlp.gate_up.merge((mlp.gate_proj, mlp.up_proj))
+
+    def fold_lora_shrinks(self, max_fraction: float = FOLD_MAX_FRACTION) -> int:
+        """Fold the LoRA slots' A rows into the merged GEMMs (q/k/v, o, gate/up, down) of every
+        layer where they add at most `max_fraction` of a group's rows; call after `LoRALinear`s
+        replace the projections, on the merged (GPU) path. Returns the number of groups folded."""
+        if self.model.layers[0].self_attn.qkv.weight is None:
+            return 0
+        folded = 0
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for group, linears in ((attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                   (attn.o, (attn.o_proj,)),
+                                   (mlp.gate_up, (mlp.gate_proj, mlp.up_proj)),
+                                   (mlp.down, (mlp.down_proj,))):
+                folded += group.fold_lora(linears, max_fraction)
+        return folded
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give layer i the cache kv_caches[i] ([2, num_blocks, block_size, KV, D]); [] unbinds."""

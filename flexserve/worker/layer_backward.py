@@ -20,6 +20,17 @@ layer's stored activations are freed. Any split gives whole-sequence backprop's 
 
 Precision: activations and frozen weights in the model's dtype (GEMMs run in it); gradients, the
 residual buffer, the accumulators and the LoRA math in fp32.
+
+Where `use_triton` says so (CUDA), the elementwise backward is fused Triton kernels
+(flexserve_kernels.finetune_backward) with the same fp32 math in registers: the SiLU-and-mul
+backward (one pass: dgate, dup), the RMSNorm backward summed with the residual add's gradient in
+the same kernel (into the residual rows for the layer's input norm), and the rope backward (which
+also widens dQ). Elsewhere the torch code below runs, op by op in fp32. The fused path also drops
+temporaries without changing a value: a dX GEMM's model-dtype product is kept as is (it is the
+gradient's exact value; readers widen it), a kernel output whose one reader is a frozen
+projection is written in that projection's dtype (the rounding its dX GEMM's cast would do), and
+sums go in place into buffers the window allocated (`_Gradients`), never into the residual rows
+or the KV-gradient accumulators that other names still alias.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from flexserve.layers.rotary import rotate
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.layer_graph import LayerGraph, Op
 from flexserve.worker.activation_store import ActivationStore, apply_lora_dropout
+from flexserve_kernels.dispatch import use_triton
 
 
 def lora_grad_name(layer: int, target: str, half: str) -> str:
@@ -170,6 +182,12 @@ class SequenceBackward:
         self._kv_slots = (table[positions // block_size] * block_size
                           + positions % block_size).to(device)
         self._needed = (grads_needed(self.graph, False), grads_needed(self.graph, True))
+        # Tensors whose one reader's backward gives one gradient, consumed only by their
+        # producer, a frozen linear: name -> that linear's target.
+        readers = [name for op in self.graph.ops for name in op.inputs]
+        producers = {name: self.graph.producer(name) for name in self.graph.tensors}
+        self._gemm_only = {name: op.name.split(".")[0] for name, op in producers.items()
+                           if op is not None and op.kind == "linear" and readers.count(name) == 1}
         self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
         for layer in range(len(layers)):
             for target in self.graph.bypass:
@@ -233,73 +251,173 @@ class SequenceBackward:
                 cache[1].reshape(shape).index_select(0, slots))
 
     def _run_window(self, win: _Window) -> None:
-        needed = self._needed[win.layer > 0]
-        grads = {self.graph.ops[-1].outputs[0]: self.residual_grad[win.start:win.end]}
-
-        def give(name: str, grad: torch.Tensor) -> None:
-            if needed.get(name, False):
-                grads[name] = grad if name not in grads else grads[name] + grad
-
+        rows = self.residual_grad[win.start:win.end]
+        grads = _Gradients(self._needed[win.layer > 0], use_triton(rows.device))
+        grads.values[self.graph.ops[-1].outputs[0]] = rows
         for op in reversed(self.graph.ops):
-            grad = grads.get(op.outputs[0])
+            grad = grads.values.get(op.outputs[0])
             if grad is not None:
-                self._op_backward(win, op, grad, give, needed)
-        if needed["x"]:
-            self.residual_grad[win.start:win.end].copy_(grads["x"])
+                self._op_backward(win, op, grad, grads, rows)
+        if grads.needed["x"] and grads.values["x"] is not rows:
+            rows.copy_(grads.values["x"])
 
-    def _op_backward(self, win: _Window, op: Op, grad: torch.Tensor, give: Any,
-                     needed: dict[str, bool]) -> None:
-        kind, name = op.kind, op.inputs[0]
+    def _op_backward(self, win: _Window, op: Op, grad: torch.Tensor, grads: _Gradients,
+                     rows: torch.Tensor) -> None:
+        kind, name, needed, give, fused = (op.kind, op.inputs[0], grads.needed, grads.give,
+                                           grads.fused)
         if kind == "add":
             for name in op.inputs:
                 give(name, grad)
         elif kind == "rmsnorm" and needed[name]:
-            norm = getattr(win.decoder, op.name)
-            give(name, rmsnorm_backward(win.act(name), norm.weight, norm.variance_epsilon, grad))
+            if fused:
+                self._rmsnorm_fused(win, op, grad, grads, rows)
+            else:
+                norm = getattr(win.decoder, op.name)
+                give(name, rmsnorm_backward(win.act(name), norm.weight, norm.variance_epsilon,
+                                            grad))
         elif kind == "linear" and needed[name]:
             weight = self.linear(win.layer, op.name.split(".")[0]).weight  # frozen: dX only
-            give(name, (grad.to(weight.dtype) @ weight).float())
+            dx = grad.to(weight.dtype) @ weight
+            # Fused: the model-dtype product is the gradient's exact value; whoever reads it
+            # widens it (a kernel in registers, a sum by promotion), never a separate cast.
+            if fused:
+                give(name, dx, fresh=True)
+            else:
+                give(name, dx.float())
         elif kind == "lora_b":
             module, rank, _, grad_b = self._lora[(win.layer, op.name.split(".")[0])]
             scaling = module.scaling[self.lora_slot]
+            grad = grad.float()
             grad_b.add_((grad.T @ win.act(name).float()) * scaling)
             if needed[name]:
-                give(name, (grad @ module.lora_b[self.lora_slot, :, :rank].float()) * scaling)
+                give(name, (grad @ module.lora_b[self.lora_slot, :, :rank].float()) * scaling,
+                     fresh=True)
         elif kind == "lora_a":
             module, rank, grad_a, _ = self._lora[(win.layer, op.name.split(".")[0])]
+            grad = grad.float()
             grad_a.add_(grad.T @ win.act(name).float())
             if needed[name]:
-                give(name, grad @ module.lora_a[self.lora_slot, :rank].float())
+                give(name, grad @ module.lora_a[self.lora_slot, :rank].float(), fresh=True)
         elif kind == "dropout" and needed[name]:
             keep = win.dropout_mask(op.name.split(".")[0])
-            give(name, apply_lora_dropout(grad, keep, self.store.lora_dropout))
+            give(name, apply_lora_dropout(grad.float(), keep, self.store.lora_dropout), fresh=True)
         elif kind == "rope" and needed[name]:
-            give(name, rope_backward(grad, win.cos, win.sin, self.head_dim))
+            if fused:
+                from flexserve_kernels.finetune_backward import rope_backward as rope_backward_fused
+
+                dtype = self._grad_dtype(win.layer, name)
+                out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+                give(name, rope_backward_fused(grad, win.cos, win.sin, self.head_dim, out),
+                     fresh=True)
+            else:
+                give(name, rope_backward(grad, win.cos, win.sin, self.head_dim))
         elif kind == "attention":
-            self._attention_backward(win, op, grad, give, needed)
+            self._attention_backward(win, op, grad, grads)
         elif kind == "silu_mul":
-            gate, up = win.act(op.inputs[0]).float(), win.act(op.inputs[1]).float()
-            sig = torch.sigmoid(gate)
-            give(op.inputs[0], grad * up * sig * (1 + gate * (1 - sig)))
-            give(op.inputs[1], grad * (gate * sig))
+            gate_name, up_name = op.inputs
+            if fused:
+                from flexserve_kernels.finetune_backward import silu_mul_backward
+
+                outs = [torch.empty(grad.shape, dtype=self._grad_dtype(win.layer, n),
+                                    device=grad.device) for n in op.inputs]
+                d_gate, d_up = silu_mul_backward(grad, win.act(gate_name), win.act(up_name), *outs)
+                give(gate_name, d_gate, fresh=True)
+                give(up_name, d_up, fresh=True)
+            else:
+                gate, up = win.act(gate_name).float(), win.act(up_name).float()
+                sig = torch.sigmoid(gate)
+                give(gate_name, grad * up * sig * (1 + gate * (1 - sig)))
+                give(up_name, grad * (gate * sig))
         elif kind not in ("rmsnorm", "linear", "dropout", "rope"):
             raise ValueError(f"no backward for op kind {kind!r} ({op.name})")
 
-    def _attention_backward(self, win: _Window, op: Op, grad: torch.Tensor, give: Any,
-                            needed: dict[str, bool]) -> None:
+    def _rmsnorm_fused(self, win: _Window, op: Op, grad: torch.Tensor, grads: _Gradients,
+                       rows: torch.Tensor) -> None:
+        """One kernel: dL/dx of the norm plus the gradient x already has (the residual add's),
+        summed into a buffer this window owns, or into the residual rows themselves when this is
+        the layer's last backward op (nothing reads the rows' old values after it)."""
+        from flexserve_kernels.finetune_backward import rmsnorm_backward as rmsnorm_backward_fused
+
+        name, norm = op.inputs[0], getattr(win.decoder, op.name)
+        previous = grads.values.get(name)
+        if name == "x" and op is self.graph.ops[0]:
+            out = rows
+        elif previous is not None and grads.owns(name):
+            out = previous
+        else:
+            out = None
+        grads.values[name] = rmsnorm_backward_fused(
+            win.act(name), norm.weight, norm.variance_epsilon, grad, previous, out=out)
+        grads.set_owned(name, out is not rows)
+
+    def _grad_dtype(self, layer: int, name: str) -> torch.dtype:
+        """The dtype a fused kernel writes dL/d`name` in: the weight's when its one reader is a
+        frozen projection's dX GEMM, which casts it to that dtype anyway (one rounding either
+        way); fp32 otherwise."""
+        target = self._gemm_only.get(name)
+        return torch.float32 if target is None else self.linear(layer, target).weight.dtype
+
+    def _attention_backward(self, win: _Window, op: Op, grad: torch.Tensor,
+                            grads: _Gradients) -> None:
         out, q, k, v = win.attention_graph()
         n = win.end - win.start
         grad_out = grad.view(n, self.num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
         with torch.inference_mode(False), torch.enable_grad():
             torch.autograd.backward(out, grad_out.to(out.dtype))
         q_name, k_name, v_name = op.inputs
-        give(q_name, q.grad.float().view(n, -1))
+        # Fused: the rope kernel widens dQ as it reads it.
+        grads.give(q_name, q.grad.reshape(n, -1) if grads.fused else q.grad.float().view(n, -1))
         # This window's queries reach keys [0, end): their dK, dV join the accumulator, which
         # then holds the complete gradient of the window's own keys and values.
         for name, leaf, acc in ((k_name, k, self.key_grad), (v_name, v, self.value_grad)):
-            if needed[name]:
+            if grads.needed[name]:
                 acc[:win.end].add_(leaf.grad)
-                give(name, acc[win.start:win.end].view(n, -1))
+                grads.give(name, acc[win.start:win.end].view(n, -1))
+
+
+class _Gradients:
+    """dL/dtensor of one backward window by name, summed as the ops' contributions arrive.
+
+    Torch path: each sum is a new fp32 tensor. Fused path: a value may be held in the model's
+    dtype when that is its exact value (a dX GEMM's product); sums go in place into a buffer the
+    window allocated for that name alone ("owned"); any other value (the residual rows, the KV
+    accumulators' slices, a tensor an add op gave to both of its inputs) is never written.
+    """
+
+    def __init__(self, needed: dict[str, bool], fused: bool) -> None:
+        self.needed = needed
+        self.fused = fused
+        self.values: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()
+
+    def owns(self, name: str) -> bool:
+        return name in self._owned
+
+    def set_owned(self, name: str, owned: bool) -> None:
+        (self._owned.add if owned else self._owned.discard)(name)
+
+    def give(self, name: str, grad: torch.Tensor, fresh: bool = False) -> None:
+        """Add `grad` to dL/d`name` (if needed); `fresh`: grad is a new tensor nothing else
+        references, so the sum may reuse it."""
+        if not self.needed.get(name, False):
+            return
+        old = self.values.get(name)
+        fresh = fresh and grad.dtype == torch.float32
+        if old is None:
+            self.values[name] = grad
+        elif not self.fused:
+            self.values[name] = old + grad
+        elif name in self._owned:
+            old.add_(grad)  # fp32 += (widened) grad: the sum's exact fp32 value
+            return
+        elif fresh:
+            self.values[name] = grad.add_(old)  # fp32 addition commutes: the same value
+        elif old.dtype == grad.dtype != torch.float32:
+            self.values[name] = old.float().add_(grad)
+        else:
+            self.values[name] = old + grad  # promotes to fp32
+        if self.fused:
+            self.set_owned(name, fresh or old is not None)
 
 
 class _Window:

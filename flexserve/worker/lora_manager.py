@@ -56,6 +56,11 @@ class LoRAManager:
         self.shapes = target_shapes(hf_config)
         self.num_layers = hf_config.num_hidden_layers
         self.modules = attach_lora_linears(model, lora_config.max_loras, lora_config.max_lora_rank)
+        fold = getattr(model, "fold_lora_shrinks", None)
+        if fold is not None:  # merged GEMMs (GPU path): decode shrinks ride in them
+            num_folded = fold()
+            if num_folded:
+                logger.info("LoRA shrinks folded into %d merged GEMMs", num_folded)
         self.slot_ids = [0] * lora_config.max_loras  # lora_int_id held by each slot; 0: empty
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, LRU first
         self._lock = threading.Lock()  # `add` runs on server threads, slot loads on the engine's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -222,12 +224,13 @@ class ModelRunner:
             return lambda: None
         errors = result.finetune_errors
         row_slots = [r.lora_slot for r in rows] + [w.lora_slot for w in windows]
-        input_ids, positions = self._prepare_inputs(rows, windows)
+        input_ids = self._prepare_input_ids(rows, windows)
         num_computed = [r.num_computed_tokens for r in rows] + [w.start for w in windows]
         block_tables = [r.block_ids for r in rows] + [
             self._finetune().block_ids(w.job_id, w.sequence_id) for w in windows]
         metadata = AttentionMetadata.build(
             row_lens, num_computed, block_tables, self.block_size, self.device)
+        positions = metadata.positions  # the rows' positions, already on the device
         lora_meta = None
         if self.lora_manager is not None and any(slot >= 0 for slot in row_slots):
             lora_meta = LoRAKernelMeta.build(row_lens, row_slots, self.device)
@@ -245,10 +248,14 @@ class ModelRunner:
         if capture is not None:
             self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
         def sample() -> None:
-            last_token_index = metadata.query_start_loc[1:] - 1
             sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
             if sample_rows:
-                self._sample(rows, sample_rows, hidden, last_token_index, result)
+                if len(sample_rows) == len(rows) and len(hidden) == len(rows):
+                    index = None  # decode rows only: row i's last token is hidden[i]
+                else:
+                    last_token_index = metadata.query_start_loc[1:] - 1
+                    index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
+                self._sample(rows, sample_rows, hidden, index, result)
             self._prompt_logprobs(rows, hidden, result)
 
         return sample
@@ -323,40 +330,40 @@ class ModelRunner:
             raise ValueError("LoRA is not enabled in this engine")
         return self.lora_manager
 
-    def _prepare_inputs(
+    def _prepare_input_ids(
         self, rows: list[ScheduledSequence], windows: list[FinetuneWindow] = ()
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        for r in rows:
-            token_ids.extend(r.new_token_ids)
-            positions.extend(range(r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens))
+    ) -> torch.Tensor:
+        """The flat batch's token ids on the device (positions come with the metadata)."""
+        chunks = [r.new_token_ids for r in rows]
         for w in windows:
-            token_ids.extend(self._finetune().token_ids(w.job_id, w.sequence_id)[w.start:w.end])
-            positions.extend(range(w.start, w.end))
-        # One host->device copy each; pinned memory lets the copy overlap on CUDA.
-        pin = self.device.type == "cuda"
-        ids = torch.tensor(token_ids, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
-        return ids, pos
+            chunks.append(self._finetune().token_ids(w.job_id, w.sequence_id)[w.start:w.end])
+        # Through an int64 array: one C-level pass instead of torch.tensor on a Python list.
+        ids = torch.frombuffer(array.array("q", itertools.chain.from_iterable(chunks)),
+                               dtype=torch.int64)
+        return to_device(ids, self.device)
 
     def _sample(
         self,
         rows: list[ScheduledSequence],
         sample_rows: list[int],
         hidden: torch.Tensor,
-        last_token_index: torch.Tensor,
+        index: torch.Tensor | None,
         result: StepResult,
     ) -> None:
-        index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
-        logits = self.model.compute_logits(hidden[index])
-        sampled_rows = [rows[i] for i in sample_rows]
+        """Sample the `sample_rows` of `rows` from `hidden[index]` (None: all of `hidden`)."""
+        logits = self.model.compute_logits(hidden if index is None else hidden[index])
+        sampled_rows = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
         out = self.sampler(logits, metadata)
         token_ids = out.sampled_token_ids.tolist()
+        sampled = result.sampled_token_ids
+        if metadata.max_num_logprobs is None:
+            for row, token_id in zip(sampled_rows, token_ids):
+                sampled[row.request_id] = token_id
+            return
         logprobs = out.token_logprobs()
         for k, row in enumerate(sampled_rows):
-            result.sampled_token_ids[row.request_id] = token_ids[k]
+            sampled[row.request_id] = token_ids[k]
             if row.sampling_params.logprobs is not None:
                 result.logprobs[row.request_id] = logprobs[k]
 
