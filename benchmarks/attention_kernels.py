@@ -384,10 +384,7 @@ def compile_check(arch: int = 90) -> list[dict]:
     rows.append(build("silu_and_mul + folded LoRA", activation._silu_and_mul_kernel,
                       dict(gate_ptr="bf16", up_ptr="bf16", out_ptr="bf16", **lora),
                       dict(BLOCK=128, HAS_LORA=True, RANK_PAD=16)))
-    rows.append(build("rmsnorm + folded LoRA", rmsnorm._rmsnorm_lora_kernel,
-                      dict(x_ptr="bf16", residual_ptr="bf16", weight_ptr="bf16", out_ptr="bf16",
-                           residual_out_ptr="bf16", **lora),
-                      dict(RANK_PAD=16, CHUNK=512), floats=("eps",)))
+
     for r in rows:
         r["arch"] = f"sm_{arch}"
         r["triton"] = triton.__version__

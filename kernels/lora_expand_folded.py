@@ -15,9 +15,9 @@ scaling [P, num_slots]. `ends` gives the projections' end columns in y.
 
 Why: a decode step's LoRA cost is launches, not bytes (rank-16 A and B of 8 adapters are a few
 MiB per layer). The shrink's A rows add `P * num_slots * max_rank` rows to a GEMM that streams
-thousands already, and the expand is one light launch per group: 4 a Llama layer, against the 5
-launches of the fused shrink+expand kernel that re-read A per output tile
-(`flexserve_kernels.lora_fused`).
+thousands already, and the expand is one light launch per group: 3 a Llama layer (gate/up's runs
+inside the SiLU-and-mul kernel), against the 5 launches of the fused shrink+expand kernel that
+re-read A per output tile (`flexserve_kernels.lora_fused`).
 
 Rounding: s comes out of the GEMM in the model dtype (cuBLAS accumulates in fp32 and rounds once);
 the delta is formed in fp32 and y rounded once, y = (y + delta) in y's dtype.
@@ -44,7 +44,7 @@ def folded_lora_delta(
 ):
     """fp32 LoRA delta of columns `offs_n` of one token whose folded shrink row starts at
     `s_row_ptr` and whose adapter slot is `slot` (zeros when slot < 0): the expand's math, shared
-    by `lora_expand_folded` and the kernels that fuse it (SiLU-and-mul, RMSNorm)."""
+    by `lora_expand_folded` and the kernels that fuse it (SiLU-and-mul)."""
     offs_r = tl.arange(0, RANK_PAD)
     r_mask = offs_r < tl.where(slot >= 0, max_rank, 0)  # no adapter: every load masked off
     slot = tl.maximum(slot, 0).to(tl.int64)

@@ -3,9 +3,12 @@
 A merged projection group (q/k/v, o, gate/up or down) keeps, below its base weight rows, the LoRA
 A rows of every slot, so one GEMM gives the base outputs and every slot's shrink
 (`MergedProjection.fold_lora` in flexserve.model.llama). What remains of the bypass is the expand,
-y += scaling * s B^T per token's slot: `lora_expand_folded` runs it alone, and the SiLU-and-mul
-and RMSNorm kernels fuse it into the pass they make over y anyway. Plain torch here (no Triton
-import), so the model can build one on any machine.
+y += scaling * s B^T per token's slot: `lora_expand_folded` runs it alone (parallel over tokens and
+output tiles), and the SiLU-and-mul kernel fuses the gate/up pair's into the pass it makes over
+them anyway. (An RMSNorm with the o/down expand fused in was measured slower on an H200: one
+program per row streams that row's whole B alone; a decode step with adapters at batch 1 cost
+2.2 ms over the base with it, against about 0.6 ms with separate expand launches.)
+Plain torch here (no Triton import), so the model can build one on any machine.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @dataclass(frozen=True, slots=True)
 class FoldedLoRA:
     """A group's LoRA bypass after the folded GEMM and before its expand: what `lora_expand_folded`,
-    or a consumer kernel that fuses the expand (SiLU-and-mul, RMSNorm), needs to add it."""
+    or a consumer kernel that fuses the expand (SiLU-and-mul), needs to add it."""
 
     s: torch.Tensor  # [T, P * num_slots * max_rank]: the GEMM's shrink columns
     lora_b: torch.Tensor  # [num_slots, sum(sizes), max_rank]: the projections' B side by side

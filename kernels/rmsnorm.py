@@ -5,12 +5,6 @@ out = weight * (new_residual / sqrt(mean(new_residual^2) + eps)) with the normal
 rounded to x's dtype before the weight multiply (HF's LlamaRMSNorm order). Every rounding of the
 eager path happens at the same point, so only the fp32 sum of squares (order) and rsqrt differ:
 results match the eager module bitwise or within one unit in the last place.
-
-With `lora` (a `FoldedLoRA` of the projection that produced x: o_proj or down_proj in a decode
-batch with adapters), x first gets its LoRA delta, rounded as `lora_expand_folded` would store it,
-so the expand costs no launch of its own. That variant walks the row in chunks (its B tile would
-not fit registers for a whole row): the first pass adds, stores the new residual and sums squares,
-the second re-reads the residual it stored (same thread, same offsets) and normalizes.
 """
 
 from __future__ import annotations
@@ -18,9 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from flexserve_kernels.lora_expand_folded import folded_lora_delta
-from flexserve_kernels.lora_folded import FoldedLoRA
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One program holds a whole row; 32768 covers every hidden size in use (Llama-3.1-405B: 16384).
@@ -52,41 +43,6 @@ def _rmsnorm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _rmsnorm_lora_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    hidden_size, eps,
-    stride_x, stride_r, stride_o, stride_ro,
-    s_ptr, b_ptr, scaling_ptr, token_slots_ptr, end0, end1, num_slots, max_rank,
-    stride_sm, stride_bs, stride_bn,
-    RANK_PAD: tl.constexpr, CHUNK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_ty = x_ptr.dtype.element_ty
-    slot = tl.load(token_slots_ptr + row)
-    s_row = s_ptr + row * stride_sm
-    squares = tl.zeros((CHUNK,), dtype=tl.float32)
-    for start in range(0, hidden_size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < hidden_size
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        x = (x + folded_lora_delta(s_row, b_ptr, scaling_ptr, slot, cols, mask, end0, end1, num_slots, max_rank,
-                                   stride_bs, stride_bn, 1, RANK_PAD)).to(x_ty).to(tl.float32)
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + r).to(x_ty)
-        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
-        summed = summed.to(tl.float32)
-        squares += summed * summed
-    rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / hidden_size + eps)
-    for start in range(0, hidden_size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < hidden_size
-        summed = tl.load(residual_out_ptr + row * stride_ro + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = (summed * rstd).to(x_ty).to(tl.float32)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def rmsnorm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -95,14 +51,12 @@ def rmsnorm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-    lora: FoldedLoRA | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, hidden] (after adding `residual` [T, hidden] when given).
 
     Returns `out` without a residual, (out, new_residual) with one, as `RMSNorm.forward`. out has
     the dtype of `weight * x` (torch promotion), new_residual x's dtype. `out` / `residual_out`
     may be given (CUDA graphs, in-place: out=x, residual_out=residual); otherwise allocated.
-    `lora` (with a residual only): x's folded LoRA bypass, added to x first (x is not written).
     """
     if x.dim() != 2 or weight.shape != x.shape[1:]:
         raise ValueError(f"rmsnorm wants x [T, hidden] and weight [hidden], got {tuple(x.shape)} "
@@ -132,19 +86,6 @@ def rmsnorm(
             raise ValueError(f"{name} must be contiguous in its last dimension")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    if lora is not None:
-        if residual is None:
-            raise ValueError("rmsnorm fuses a LoRA expand only together with a residual add")
-        lora.check(x.shape[0], hidden_size, x.dtype, x.device)
-        if x.shape[0] > 0:
-            # B tiles of [CHUNK, rank]: 512 columns at rank 16, 64 elements a thread at 4 warps.
-            chunk = max(16, min(8192 // lora.rank_pad, triton.next_power_of_2(hidden_size)))
-            _rmsnorm_lora_kernel[(x.shape[0],)](
-                x, residual, weight, out, residual_out, hidden_size, eps,
-                x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), *lora.kernel_args(),
-                RANK_PAD=lora.rank_pad, CHUNK=chunk, num_warps=4,
-            )
-        return out, residual_out
     if x.shape[0] > 0:
         block = triton.next_power_of_2(hidden_size)
         # About 8-16 elements per thread: 4096 (Llama-3.1-8B) -> 8 warps.

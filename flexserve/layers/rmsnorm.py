@@ -6,8 +6,6 @@ residual add and the norm with the same roundings; elsewhere the torch code belo
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -27,16 +25,12 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: Any = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`lora`: x's pending folded LoRA bypass (a `FoldedLoRA`, Triton path only), added to
-        x inside the kernel."""
         if use_triton(x.device):
             from flexserve_kernels.rmsnorm import rmsnorm
 
-            return rmsnorm(x, self.weight, self.variance_epsilon, residual, lora=lora)
-        if lora is not None:
-            raise ValueError("a folded LoRA bypass needs the Triton kernels")
+            return rmsnorm(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

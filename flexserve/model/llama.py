@@ -82,8 +82,9 @@ class MergedProjection:
 
     `fold_lora` (LoRA on, GPU path) also places every slot's LoRA A rows below the weight rows,
     so a decode-sized batch with adapters gets the base outputs and all shrinks from one GEMM and
-    adds the bypass with one expand launch (`flexserve_kernels.lora_expand_folded`). Larger
-    batches, and batches without adapters, multiply by the weight rows only.
+    adds the bypass with one expand launch (`flexserve_kernels.lora_expand_folded`), or inside
+    the kernel that reads the output next (gate/up: SiLU-and-mul). Larger batches, and batches
+    without adapters, multiply by the weight rows only.
     """
 
     def __init__(self) -> None:
@@ -199,10 +200,7 @@ class LlamaAttention(nn.Module):
         self.qkv = MergedProjection()
         self.o = MergedProjection()  # o_proj alone; used once LoRA shrinks are folded into it
 
-    def forward(
-        self, hidden: torch.Tensor, rope: RopeInputs
-    ) -> tuple[torch.Tensor, FoldedLoRA | None]:
-        """(o_proj output, its LoRA bypass when still to be expanded: see `MergedProjection.project`)."""
+    def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         if self.qkv.weight is not None:
             q, k, v = self.qkv(hidden, (self.q_proj, self.k_proj, self.v_proj))
             q, k = rope.apply(q, k)
@@ -211,8 +209,8 @@ class LlamaAttention(nn.Module):
             v = self.v_proj(hidden)
         hidden = self.attn(q, k, v)
         if self.o.weight is not None:
-            return self.o.project(hidden, (self.o_proj,))
-        return self.o_proj(hidden), None
+            return self.o(hidden, (self.o_proj,))[0]
+        return self.o_proj(hidden)
 
 
 class LlamaMLP(nn.Module):
@@ -227,9 +225,8 @@ class LlamaMLP(nn.Module):
         self.gate_up = MergedProjection()
         self.down = MergedProjection()  # down_proj alone; used once LoRA shrinks are folded into it
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, FoldedLoRA | None]:
-        """(down_proj output, its LoRA bypass when still to be expanded). A folded gate/up bypass
-        is expanded inside the SiLU-and-mul kernel."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A folded gate/up LoRA bypass is expanded inside the SiLU-and-mul kernel."""
         bypass = None
         if self.gate_up.weight is not None:
             y, bypass = self.gate_up.project(x, (self.gate_proj, self.up_proj))
@@ -238,8 +235,8 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         hidden = silu_and_mul(gate, up, lora=bypass)
         if self.down.weight is not None:
-            return self.down.project(hidden, (self.down_proj,))
-        return self.down_proj(hidden), None
+            return self.down(hidden, (self.down_proj,))[0]
+        return self.down_proj(hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -254,21 +251,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs,
-        bypass: FoldedLoRA | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, FoldedLoRA | None]:
-        """(hidden, residual, bypass) in and out: the previous layer's MLP output, the residual
-        before it (their sum is the stream) and the MLP output's folded LoRA bypass, which the
-        next RMSNorm adds inside its kernel (None: nothing pending)."""
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in, (mlp output, residual before it) out; their sum is the stream."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, lora=bypass)
-        hidden, bypass = self.self_attn(hidden, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, lora=bypass)
-        hidden, bypass = self.mlp(hidden)
-        return hidden, residual, bypass
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
     def forward_captured(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, capture: Any
@@ -324,13 +317,13 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         capture = get_forward_context().finetune
-        residual = bypass = None
+        residual = None
         for layer in self.layers:
             if capture is None:
-                hidden, residual, bypass = layer(hidden, residual, rope, bypass)
+                hidden, residual = layer(hidden, residual, rope)
             else:
                 hidden, residual = layer.forward_captured(hidden, residual, rope, capture)
-        hidden, stream = self.norm(hidden, residual, lora=bypass)
+        hidden, stream = self.norm(hidden, residual)
         if capture is not None:
             capture.take_final(stream)  # the last layer's output, where the window loss starts
         return hidden
