@@ -24,6 +24,66 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def build_llm(model: str, load_format: str, max_model_len: int, max_num_seqs: int,
+              enforce_eager: bool = False):
+    """The offline `LLM` these profiles run on: bf16, no prefix caching (every prompt is
+    prefilled), CUDA graphs unless enforce_eager."""
+    from flexserve import LLM
+
+    return LLM(model, load_format=load_format, dtype="bfloat16", max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, gpu_memory_utilization=0.85,
+               enforce_eager=enforce_eager, enable_prefix_caching=False)
+
+
+def start_decode(engine, batch: int, input_len: int, max_tokens: int,
+                 num_warmup_steps: int = 4) -> None:
+    """Adds `batch` random greedy prompts of `input_len` tokens, prefills them and runs
+    `num_warmup_steps` decode steps, so the next `engine.step()` is a steady decode step."""
+    from flexserve import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(100, engine.info.vocab_size - 100, (batch, input_len), generator=g).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(engine.next_request_id(), p, params)
+    while engine.scheduler.num_waiting:  # prefill
+        engine.step()
+    for _ in range(num_warmup_steps):
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def finish_requests(engine) -> None:
+    """Aborts every request and steps the engine until it holds none."""
+    engine.abort_request(list(engine.scheduler.requests))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def decode_graph(runner, batch: int):
+    """The captured decode forward (without LoRA) that a step of `batch` rows replays, or None
+    when the runner has no graphs (--enforce-eager). Its static inputs hold the last step's."""
+    if runner.graph_runner is None:
+        return None
+    from flexserve.worker.cuda_graphs import padded_batch_size
+
+    key = (padded_batch_size(batch, runner.graph_runner.batch_sizes), False)
+    return runner.graph_runner.graphs[key]
+
+
+def graph_replay_ms(graph, reps: int = 20) -> float:
+    """Median device time of one `graph.replay()`, from CUDA events around it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b")
@@ -35,26 +95,12 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
 
-    from flexserve import LLM, SamplingParams
-
-    llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
-              max_model_len=args.input_len + args.steps + 64, max_num_seqs=max(args.batch_sizes),
-              gpu_memory_utilization=0.85, enforce_eager=args.enforce_eager,
-              enable_prefix_caching=False)
+    llm = build_llm(args.model, args.load_format, args.input_len + args.steps + 64,
+                    max(args.batch_sizes), args.enforce_eager)
     engine = llm.engine
     runner = engine.core.executor
-    vocab = engine.info.vocab_size
     for batch in args.batch_sizes:
-        g = torch.Generator().manual_seed(batch)
-        prompts = torch.randint(100, vocab - 100, (batch, args.input_len), generator=g).tolist()
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
-        for p in prompts:
-            engine.add_request(engine.next_request_id(), p, params)
-        while engine.scheduler.num_waiting:  # prefill
-            engine.step()
-        for _ in range(4):  # warm-up decode steps
-            engine.step()
-        torch.cuda.synchronize()
+        start_decode(engine, batch, args.input_len, args.steps + 16)
         # 1. the whole engine step, wall clock
         profiler = cProfile.Profile() if args.cprofile else None
         walls = []
@@ -67,21 +113,8 @@ def main() -> None:
                 profiler.disable()
             walls.append(time.perf_counter() - t0)
         # 2. device time of the forward alone (graph replay) and of lm_head + sampling inputs
-        forward_ms = None
-        if runner.graph_runner is not None:
-            from flexserve.worker.cuda_graphs import padded_batch_size
-
-            key = (padded_batch_size(batch, runner.graph_runner.batch_sizes), False)
-            graph = runner.graph_runner.graphs[key]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(20):
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            forward_ms = median(times)
+        graph = decode_graph(runner, batch)
+        forward_ms = graph_replay_ms(graph) if graph is not None else None
         hidden = torch.randn(batch, runner.hf_config.hidden_size, device="cuda",
                              dtype=torch.bfloat16)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,9 +133,7 @@ def main() -> None:
         if profiler:
             stats = pstats.Stats(profiler)
             stats.sort_stats("tottime").print_stats(25)
-        engine.abort_request(list(engine.scheduler.requests))
-        while engine.has_unfinished_requests():
-            engine.step()
+        finish_requests(engine)
 
 
 if __name__ == "__main__":

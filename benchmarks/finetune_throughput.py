@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--remat-threshold", type=float, default=None,
                         help="graph pruning's recompute threshold [its default]")
+    parser.add_argument("--remat-chains", action="store_true",
+                        help="graph pruning's chains beyond algorithm 1 (less memory)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time forward steps, backward steps, attention backward, "
                              "rematerialization, loss and optimizer (synchronizing timers)")
@@ -52,7 +54,7 @@ def main() -> None:
               max_model_len=max_len + 16, enable_lora=True, max_lora_rank=args.rank,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=16,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
-              remat_threshold=args.remat_threshold)
+              remat_threshold=args.remat_threshold, remat_chains=args.remat_chains)
     engine = llm.engine
     vocab = engine.info.vocab_size
     rows = []
@@ -88,7 +90,8 @@ def main() -> None:
         plan = runner.jobs[job.job_id].plan
         row = {
             "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
-            "remat_threshold": plan.remat_threshold, "stored": sorted(plan.stored),
+            "remat_threshold": plan.remat_threshold, "remat_chains": plan.chains,
+            "stored": sorted(plan.stored),
             "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
             "peak_extra_memory_gb": round(peak / 1e9, 3),

@@ -86,6 +86,23 @@ def test_lora_on_all_seven_linears(llama8b):
     assert p0.stored == (p.stored - {"x"}) | {"h_attn"}  # x was kept for rmsnorm's dx only
 
 
+def test_chains_beyond_algorithm_1_trade_memory_for_recompute(llama8b):
+    # Off by default: the threshold alone cannot reach gate_out (its input h_mlp is not in A).
+    assert plan(llama8b, {"down_proj": "lora"}, remat_threshold=0.6).stored == BASE_STORED
+    p = plan(llama8b, {"down_proj": "lora"}, remat_threshold=0.6, chains=True)
+    assert p.chains and p.stored == {"x", "x_mid"}
+    assert p.bytes_per_token == 2 * H * 2 == 16384
+    assert p.remat_order == ("h_attn", "q_out", "q", "h_mlp", "gate_out", "up_out", "m", "down_proj_s")
+    by_name = {t.name: t for t in p.tensors}
+    assert by_name["h_mlp"].needed_by == () and by_name["h_mlp"].recompute_from == ("x_mid",)
+    # A chain is paid in full: m = silu_mul(gate_out, up_out), each from h_mlp from x_mid.
+    gate = by_name["gate_out"].recompute_flops
+    assert by_name["m"].recompute_flops == 2 * gate + 5 * I  # silu_mul: 5 FLOPs per element
+    # Below the chain's price gate/up stay stored (each costs 26.9% of the layer's forward FLOPs).
+    p = plan(llama8b, {"down_proj": "lora"}, remat_threshold=0.25, chains=True)
+    assert {"gate_out", "up_out", "x", "x_mid"} <= p.stored and "q" not in p.stored
+
+
 def test_lora_with_dropout(llama8b):
     p = plan(llama8b, dict.fromkeys(ALL, "lora"), dropout=0.1)
     xd = {f"{t}_xd" for t in ALL}

@@ -69,6 +69,9 @@ def make_plan(graph, kind: str, num_layers: int = 0, act_bytes: int = 4):
     if kind == "per-layer":
         return [plan_pruning(graph, act_bytes, input_grad=False)] + [
             plan_pruning(graph, act_bytes)] * (num_layers - 1)
+    if kind == "chains":  # beyond algorithm 1: recomputed through h_attn, h_mlp (gate/up/m)
+        return [plan_pruning(graph, act_bytes, 0.9, input_grad=False, chains=True)] + [
+            plan_pruning(graph, act_bytes, 0.9, chains=True)] * (num_layers - 1)
     kv = frozenset(n for n, spec in graph.tensors.items() if spec.storage == "kv_cache")
     stored = frozenset({"x"} if kind == "minimal" else graph.tensors) - kv
     masks = {n: "bitmask" for n in stored if graph.tensors[n].dtype == "bool"}
@@ -345,6 +348,8 @@ TINY_CASES = {
                         [23, 41]),
     "down-rslora-per-layer-plans": (dict(r=8, lora_alpha=16, use_rslora=True,
                                          target_modules=["down_proj"]), "per-layer", [20, 37, 52]),
+    "down-remat-chains": (dict(r=8, lora_alpha=16, target_modules=["down_proj"]), "chains",
+                          [19, 40]),
     "all-dropout-bitmask": (dict(r=8, lora_alpha=16, lora_dropout=0.3, target_modules=ALL),
                             "pruned", [31, 66]),
     "all-everything-stored": (dict(r=16, lora_alpha=8, target_modules=ALL), "everything",

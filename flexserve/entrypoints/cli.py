@@ -164,6 +164,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remat-threshold", type=float, default=None,
                        help="graph pruning: recompute kept tensors whose op costs less than this "
                             "fraction of a layer's forward FLOPs [0.01]")
+    group.add_argument("--remat-chains", action="store_true",
+                       help="graph pruning beyond algorithm 1: also recompute through tensors the "
+                            "backward does not read (e.g. the MLP's gate/up from x_mid), within "
+                            "--remat-threshold: less activation memory, more backward time")
     group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters (loaded at start-up or at run time)")
@@ -235,7 +239,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         lora=lora_config_from_args(args),
         finetune=FinetuneConfig(max_finetune_len=args.max_finetune_len,
-                                remat_threshold=args.remat_threshold),
+                                remat_threshold=args.remat_threshold,
+                                remat_chains=args.remat_chains),
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,

@@ -57,6 +57,9 @@ def add_finetune_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat-threshold", type=float, default=DEFAULT_REMAT_THRESHOLD,
                         help="rematerialize a tensor when recomputing it costs less than this "
                              "fraction of the layer's forward FLOPs [%(default)s]")
+    parser.add_argument("--remat-chains", action="store_true",
+                        help="beyond algorithm 1: also recompute through tensors the backward "
+                             "does not read (e.g. gate/up from x_mid), within the threshold")
     parser.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 "
                         "[%(default)s]")
     parser.add_argument("--num-layers-shown", type=int, default=3,
@@ -116,7 +119,8 @@ def finetune_plan(args: argparse.Namespace) -> int:
     num_layers = hf_config.num_hidden_layers
     # Layer 0's input gradient is pruned unless asked for; every layer above needs its own.
     grads = {args.layer0_input_grad} | ({True} if num_layers > 1 else set())
-    plans = {grad: plan_pruning(graph, dtype_bytes, args.remat_threshold, input_grad=grad)
+    plans = {grad: plan_pruning(graph, dtype_bytes, args.remat_threshold, input_grad=grad,
+                                chains=args.remat_chains)
              for grad in sorted(grads, reverse=True)}
     # Measured autograd bytes per input_grad: (backbone frozen, backbone trainable).
     autograd: dict[bool, tuple[int, int] | None] = dict.fromkeys(plans)
@@ -131,7 +135,8 @@ def finetune_plan(args: argparse.Namespace) -> int:
     print(f"model {args.model}: {num_layers} layers, hidden {hf_config.hidden_size}, "
           f"intermediate {hf_config.intermediate_size}")
     print(f"bypass: {kind} on {', '.join(targets)} | dtype {args.dtype} | remat threshold "
-          f"{first.remat_threshold:g} x {first.layer_flops_per_token / 1e6:.3g} MFLOP/token/layer")
+          f"{first.remat_threshold:g} x {first.layer_flops_per_token / 1e6:.3g} MFLOP/token/layer"
+          f"{' (with chains, beyond algorithm 1)' if first.chains else ''}")
     if args.layer0_input_grad:
         _print_layer("every layer (the gradient of x is needed)", plans[True], autograd[True])
     else:

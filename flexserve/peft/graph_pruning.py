@@ -8,7 +8,10 @@ layer-wise backward needs and how each is kept:
   gradients of frozen backbone weights, then drop, until nothing changes, every activation
   gradient no backward op reads. A is the set of forward tensors some remaining backward op reads.
 - Step 2 (rematerialization): walking A in forward order, t moves to R when its producer's inputs
-  are all in A and recomputing t costs less than the threshold (see `plan_pruning`).
+  are all in A and recomputing t costs less than the threshold (see `plan_pruning`). As an
+  extension beyond the paper, an input outside A may itself be recomputed on the way (a chain
+  through tensors the backward never reads, e.g. gate_out from x_mid through h_mlp), its cost
+  counted. Off by default (`chains=False`: algorithm 1 as the paper states it).
 - Compression: a dropout mask is read only as a mask, so it is kept as a bitmask (1 bit/element).
 
 The gradient of the layer input x is needed whenever a lower layer trains (every layer but the
@@ -68,7 +71,7 @@ class TensorPlan:
 
     name: str  # layer-graph tensor name
     width: int  # elements per token
-    status: str  # "stored" | "kv_cache" | "rematerialized"
+    status: str  # "stored" | "kv_cache" | "rematerialized" (also a chain's intermediate)
     compression: str | None  # "bitmask" (1 bit per element) or None
     bytes_per_token: int  # activation-store bytes per token (0 unless stored)
     needed_by: tuple[str, ...]  # forward ops whose backward reads it
@@ -85,13 +88,14 @@ class PruningPlan:
     rematerialized: frozenset[str]  # R: recomputed in the backward from stored/kv/R tensors
     compressed: dict[str, str]  # stored tensor -> "bitmask"
     bytes_per_token: int  # activation bytes per token of this layer
-    tensors: tuple[TensorPlan, ...]  # every needed tensor, in forward order
+    tensors: tuple[TensorPlan, ...]  # every needed tensor and chain intermediate, forward order
     backward: dict[str, tuple[str, ...]]  # forward op -> what its backward still computes:
     #                                       input tensors (their grads) and trainable parameters
     unpruned_bytes_per_token: int  # bytes of A if backbone weight gradients were kept (no remat)
     layer_flops_per_token: int  # forward FLOPs per token of the layer, attention excluded
     remat_threshold: float  # fraction of layer_flops_per_token a recomputation may cost
     input_grad: bool  # whether the gradient of the layer input x is produced
+    chains: bool = False  # whether rematerialization could go through tensors outside A
 
     @property
     def remat_order(self) -> tuple[str, ...]:
@@ -180,6 +184,31 @@ def _recompute_inputs(op: Op, tensor: str) -> tuple[str, ...] | None:
     return op.inputs
 
 
+def _recompute_cost(
+    graph: LayerGraph, t: str, needed: dict[str, list[str]],
+    remat: dict[str, tuple[tuple[str, ...], int]], chain: dict[str, tuple[tuple[str, ...], int]],
+    chains: bool,
+) -> float | None:
+    """FLOPs per token to recompute t from what is kept; None when it cannot be (algorithm 1: an
+    input outside A; with `chains`, one that cannot be recomputed itself). Records t and every
+    intermediate outside A it goes through in `chain` (sources, cost)."""
+    op = graph.producer(t)
+    sources = None if op is None else _recompute_inputs(op, t)
+    if sources is None:
+        return None
+    cost = math.inf if op.kind == "attention" else op.flops_per_token
+    for s in sources:
+        if s in remat or s in chain:
+            cost += (remat.get(s) or chain[s])[1]
+        elif s not in needed:  # not kept: recomputed on the way, if chains may
+            sub = _recompute_cost(graph, s, needed, remat, chain, chains) if chains else None
+            if sub is None:
+                return None
+            cost += sub
+    chain[t] = (sources, cost)
+    return cost
+
+
 def _row_bytes(graph: LayerGraph, name: str, dtype_bytes: int) -> int:
     spec = graph.tensors[name]
     if spec.dtype == "bool":  # a bitmask row is padded to whole bytes so windows slice rows
@@ -192,6 +221,7 @@ def plan_pruning(
     dtype_bytes: int,
     remat_threshold: float = DEFAULT_REMAT_THRESHOLD,
     input_grad: bool = True,
+    chains: bool = False,
 ) -> PruningPlan:
     """Run algorithm 1 on one layer graph; `dtype_bytes` is the activation dtype's size.
 
@@ -204,6 +234,14 @@ def plan_pruning(
     deterministic, and R is recomputable, in forward order, from stored and KV-cache tensors.
     Attention costs infinity (its FLOPs grow with the context and it needs the whole KV prefix);
     a dropout mask is the forward's random state and is never recomputed.
+
+    `chains` (beyond algorithm 1): an input outside A counts as recomputable when its own
+    producer's inputs are (recursively), at its cost; such chain intermediates join R (needed_by
+    empty) when the tensor they serve does. Llama-3.1-8B, LoRA on down_proj, threshold 0.6: only
+    x and x_mid are stored (16 KiB per token and layer instead of 80): q is recomputed from x
+    through h_attn and q_proj (7.7% of the layer's forward FLOPs), gate_out, up_out and m from
+    x_mid through h_mlp (54%), so memory trades for backward time (`flexserve finetune-plan
+    --remat-chains --remat-threshold 0.6` shows the plan).
     """
     if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be a positive integer, got {dtype_bytes!r}")
@@ -215,20 +253,19 @@ def plan_pruning(
     budget = remat_threshold * layer_flops
     remat: dict[str, tuple[tuple[str, ...], int]] = {}  # t -> (recomputed from, cost)
     for t in needed:
-        op = graph.producer(t)
-        if op is None or graph.tensors[t].storage == "kv_cache":
+        if graph.tensors[t].storage == "kv_cache":
             continue
-        sources = _recompute_inputs(op, t)
-        if sources is None or not all(s in needed for s in sources):
-            continue
-        own = math.inf if op.kind == "attention" else op.flops_per_token
-        cost = own + sum(remat[s][1] for s in sources if s in remat)
-        if cost < budget:
-            remat[t] = (sources, cost)
+        chain: dict[str, tuple[tuple[str, ...], int]] = {}
+        cost = _recompute_cost(graph, t, needed, remat, chain, chains)
+        if cost is not None and cost < budget:
+            remat.update(chain)
     compressed = {t: "bitmask" for t in needed
                   if t not in remat and graph.tensors[t].dtype == "bool"}
     tensors = []
-    for t, readers in needed.items():
+    order = {name: i for i, name in enumerate(graph.tensors)}
+    listed = {**needed, **{t: [] for t in remat if t not in needed}}
+    for t in sorted(listed, key=order.__getitem__):
+        readers = listed[t]
         spec = graph.tensors[t]
         status = ("kv_cache" if spec.storage == "kv_cache" else
                   "rematerialized" if t in remat else "stored")
@@ -251,6 +288,7 @@ def plan_pruning(
         layer_flops_per_token=layer_flops,
         remat_threshold=float(remat_threshold),
         input_grad=input_grad,
+        chains=chains,
     )
 
 

@@ -72,7 +72,7 @@ class _Job:
     """One job's adapter, optimizer and plan on the device."""
 
     def __init__(self, spec: FinetuneJobSpec, model: Any, hf_config: Any, device: torch.device,
-                 dtype: torch.dtype, remat_threshold: float | None) -> None:
+                 dtype: torch.dtype, remat_threshold: float | None, remat_chains: bool = False) -> None:
         lora = spec.hyperparameters.lora
         self.spec = spec
         if spec.init_adapter is not None:
@@ -101,7 +101,8 @@ class _Job:
         element = torch.empty((), dtype=dtype).element_size()
         self.plan: PruningPlan = plan_pruning(
             self.graph, element,
-            DEFAULT_REMAT_THRESHOLD if remat_threshold is None else remat_threshold)
+            DEFAULT_REMAT_THRESHOLD if remat_threshold is None else remat_threshold,
+            chains=remat_chains)
         params = {}
         for (layer, target), (a, b) in adapter.weights.items():
             params[lora_grad_name(layer, target, "A")] = a.to(device=device, dtype=torch.float32)
@@ -139,7 +140,7 @@ class FinetuneRunner:
 
     def __init__(self, model: Any, hf_config: Any, block_size: int, device: torch.device,
                  dtype: torch.dtype, lora_manager: Any, remat_threshold: float | None = None,
-                 loss_chunk_rows: int = 1024) -> None:
+                 loss_chunk_rows: int = 1024, remat_chains: bool = False) -> None:
         self.model = model
         self.hf_config = hf_config
         self.block_size = block_size
@@ -147,6 +148,7 @@ class FinetuneRunner:
         self.dtype = dtype
         self.lora_manager = lora_manager
         self.remat_threshold = remat_threshold
+        self.remat_chains = remat_chains
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
         self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
@@ -182,7 +184,7 @@ class FinetuneRunner:
                              "the job's adapter lives in a LoRA slot")
         with torch.no_grad():
             job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
-                       self.remat_threshold)
+                       self.remat_threshold, self.remat_chains)
         self.jobs[spec.job_id] = job
         return job.plan
 

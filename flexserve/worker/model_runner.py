@@ -310,7 +310,7 @@ class ModelRunner:
             ft = self.config.finetune
             self.finetune_runner = FinetuneRunner(
                 self.model, self.hf_config, self.block_size, self.device, self.dtype,
-                self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows)
+                self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains)
         return self.finetune_runner
 
     # ---------------------------------------------------------------------------------------- LoRA
