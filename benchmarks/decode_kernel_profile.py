@@ -13,10 +13,15 @@ A step is told apart by a `record_function` range around it (each step ends in a
 its kernels start inside its range). Per step: busy (union of kernel intervals), span (first
 kernel start to last kernel end), idle = span - busy; a table by kernel group (all cuBLAS
 GEMM/GEMV kernels in one bucket), the raw kernel names, and the idle gaps by which kernel groups
-they sit between. `unprofiled_ms` is the CUDA-event time of the same work without the profiler,
-to show what CUPTI adds. The floor is `offline_throughput.floors` at the profiled context: every
-weight (the graph pass leaves out lm_head) and each row's K/V read once at the copy bandwidth
-measured here. Prints tables; appends one JSON line per (batch, pass) to --out.
+they sit between. `unprofiled_ms` is the CUDA-event time of the same work without the profiler
+(for the step pass: around the whole `engine.step()`, host work included), to show what the
+profiler adds. The step pass's span holds host work between its kernels (metadata copies before
+the replay, sampling after), which the CPU-side recording of every torch op inflates; the graph
+pass has none. The floor is `offline_throughput.floors` at the profiled context: every weight
+(the graph pass leaves out lm_head) and each row's K/V read once at the copy bandwidth measured
+here. Prints tables; appends one JSON line per (batch, pass) to --out. `--passes graph` runs the
+graph pass only; `--cupti-warmup` is for stacks where profiling graphs captured before the first
+profiler session fails (see its help).
 """
 
 from __future__ import annotations
