@@ -148,6 +148,7 @@ class FinetuneConfig:
     max_finetune_len: int | None = None  # longest training sequence; None: max_model_len
     remat_threshold: float | None = None  # graph pruning's recompute threshold; None: its default
     remat_chains: bool = False  # also recompute through tensors the backward does not read
+    warmup: bool = True  # compile the fine-tuning kernels at start-up (CUDA, LoRA on)
     loss_chunk_rows: int = 1024  # rows whose full-vocabulary logits exist at once in the loss
 
     def __post_init__(self) -> None:

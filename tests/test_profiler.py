@@ -210,3 +210,27 @@ def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
 
     with pytest.raises(SystemExit):
         main(common + ["--repeats", "0"])
+
+
+def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir):
+    from flexserve.worker.builder import build_executor
+    from flexserve.worker.finetune_warmup import warmup_finetune, warmup_grid
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = EngineConfig(
+            model=ModelConfig(model=tiny_dir, dtype="float32", max_model_len=1024),
+            cache=CacheConfig(kv_cache_gib=0.05), lora=LoRAConfig(max_loras=1, max_lora_rank=16))
+        executor, _, info = build_executor(config)  # CPU: build_executor itself skips it
+        assert executor.finetune_runner is None
+        seconds = warmup_finetune(executor, info, config)
+    finally:
+        torch.set_num_threads(threads)
+    assert seconds is not None and seconds > 0
+    assert executor.finetune_runner.jobs == {}  # the warm-up job is gone
+    grid = warmup_grid(8192, 1024, 256, 1024, info.num_blocks, info.block_size)
+    assert [s.num_tokens for s in grid.finetune] == [256, 300]
+    assert [s.forward_window % 16 for s in grid.finetune] == [0, 8]  # both specializations
+    assert warmup_grid(8, 1024, 256, 1024, 100, 16) is None  # a budget of 8 tokens: no room
+    assert warmup_grid(8192, 1024, 256, 1024, 40, 16) is None  # 40 KV blocks: no room

@@ -164,6 +164,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remat-threshold", type=float, default=None,
                        help="graph pruning: recompute kept tensors whose op costs less than this "
                             "fraction of a layer's forward FLOPs [0.01]")
+    group.add_argument("--no-finetune-warmup", action="store_true",
+                       help="skip compiling the fine-tuning kernels at start-up (CUDA): the first "
+                            "job then compiles them while requests may be waiting")
     group.add_argument("--remat-chains", action="store_true",
                        help="graph pruning beyond algorithm 1: also recompute through tensors the "
                             "backward does not read (e.g. the MLP's gate/up from x_mid), within "
@@ -240,7 +243,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         lora=lora_config_from_args(args),
         finetune=FinetuneConfig(max_finetune_len=args.max_finetune_len,
                                 remat_threshold=args.remat_threshold,
-                                remat_chains=args.remat_chains),
+                                remat_chains=args.remat_chains,
+                                warmup=not args.no_finetune_warmup),
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,

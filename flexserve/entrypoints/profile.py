@@ -70,6 +70,7 @@ def profile(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if config.lora is None:
         config.lora = LoRAConfig(max_loras=1)  # the profiling job's adapter needs one slot
+    config.finetune.warmup = False  # the profile's own warm-up round compiles the kernels
     executor, _, info = build_executor(config)
     # The engine looks profiles up by the name its builder records (the same formula).
     device = getattr(info, "device_name", "") or device_name(executor.device)

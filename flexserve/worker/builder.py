@@ -67,4 +67,8 @@ def build_executor(config: EngineConfig) -> tuple[ModelRunner, Any | None, Model
         num_blocks, config.cache.block_size, capacity,
         num_blocks * runner.kv_cache_spec.bytes_per_block / (1 << 30), max_model_len,
     )
+    if config.finetune.warmup and runner.lora_manager is not None and runner.device.type == "cuda":
+        from flexserve.worker.finetune_warmup import warmup_finetune
+
+        warmup_finetune(runner, info, config)
     return runner, tokenizer, info
