@@ -21,15 +21,18 @@ from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_ref import check_shrink_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_k"])  # one kernel whatever split_k (1, 16k, other)
 def _lora_shrink_sgmv_kernel(
     x_ptr, a_ptr, out_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    hidden_size, max_rank, k_per_split,
+    hidden_size, max_rank, k_per_split, split_k,
     stride_xm, stride_as, stride_ar, stride_os, stride_om,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid: (segment, token tile, rank tile x K split). Token tiles past a segment's end exit here,
-    # so one grid serves segments of any length.
+    # so one grid serves segments of any length. split_k is a runtime value, not a constexpr: it
+    # follows the token count (1 to 112 on Llama-3.1-8B), and as a constexpr each value compiled
+    # its own kernel (14 of them in a 20 s fine-tuning run on a cold H200, ~1 s each, stalling
+    # every request in those iterations).
     seg = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_rk = tl.program_id(2)
@@ -38,8 +41,8 @@ def _lora_shrink_sgmv_kernel(
         return
     seg_start = tl.load(seg_starts_ptr + seg)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    pid_r = pid_rk // SPLIT_K
-    pid_k = pid_rk % SPLIT_K
+    pid_r = pid_rk // split_k
+    pid_k = pid_rk % split_k
 
     # 64-bit scalar bases, 32-bit offsets within the tile: int64 offset tensors cost registers
     # (ptxas, sm_90, triton 3.9: the 64 x 16 bf16 tile took 208 registers that way, 150 this way).
@@ -176,9 +179,9 @@ def lora_shrink_sgmv(
     grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_r_tiles * split_k)
     _lora_shrink_sgmv_kernel[grid](
         x, lora_a, out, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-        hidden_size, max_rank, k_per_split,
+        hidden_size, max_rank, k_per_split, split_k,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0) if split_k > 1 else 0, out.stride(-2),
-        SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         # ptxas (sm_90, triton 3.9): a 64 x 64 tile takes 245 registers at 4 warps, 128 at 8;
         # 64 x 128 spills at 4 warps. 8 warps from 4096 accumulator elements.
         num_warps=8 if block_m * block_r >= 4096 else 4, num_stages=3,

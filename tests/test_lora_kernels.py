@@ -405,11 +405,11 @@ def first_if(cond, configs):  # float32 (rare in serving): one configuration per
 for dt, p in P.items():
     bk = 32 if dt == "fp32" else 64
     fp32 = dt == "fp32"
-    for split_k, bm, br in first_if(fp32, ((8, 64, 16), (1, 64, 16), (32, 16, 16), (1, 64, 64), (1, 16, 128))):
+    for bm, br in first_if(fp32, ((64, 16), (16, 16), (64, 64), (16, 128))):
         types = dict(x_ptr=p, a_ptr=p, out_ptr="*fp32", seg_starts_ptr="*i32", seg_lens_ptr="*i32",
-                     seg_slots_ptr="*i32", hidden_size=I32, max_rank=I32, k_per_split=I32, stride_xm=I32,
-                     stride_as=I32, stride_ar=I32, stride_os=I32, stride_om=I32)
-        compile_one(ks._lora_shrink_sgmv_kernel, types, dict(SPLIT_K=split_k, BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk),
+                     seg_slots_ptr="*i32", hidden_size=I32, max_rank=I32, k_per_split=I32, split_k=I32,
+                     stride_xm=I32, stride_as=I32, stride_ar=I32, stride_os=I32, stride_om=I32)
+        compile_one(ks._lora_shrink_sgmv_kernel, types, dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk),
                     8 if bm * br >= 4096 else 4)
     for br, bk in first_if(fp32, ((1, 4096), (16, 256), (64, 64))):
         types = dict(x_ptr=p, a_ptr=p, s_ptr="*fp32", token_slots_ptr="*i32", hidden_size=I32, max_rank=I32,
