@@ -213,6 +213,7 @@ def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir):
+    from flexserve.finetune.hyperparameters import Hyperparameters, LoRAHyperparameters
     from flexserve.worker.builder import build_executor
     from flexserve.worker.finetune_warmup import warmup_finetune, warmup_grid
 
@@ -228,7 +229,20 @@ def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir)
     finally:
         torch.set_num_threads(threads)
     assert seconds is not None and seconds > 0
-    assert executor.finetune_runner.jobs == {}  # the warm-up job is gone
+    assert executor.finetune_runner.jobs == {}  # the warm-up job is gone, and its weights
+    modules = executor.lora_manager.modules
+    assert all(not m.active_slots for m in modules.values())
+    # A job trains only its targets: whatever the slot held before is cleared on the others.
+    q_proj = modules[(0, "q_proj")]
+    q_proj.set_slot(0, torch.ones(4, q_proj.in_features), torch.ones(q_proj.out_features, 4), 1.0)
+    executor.add_finetune_job(
+        job_id="j", lora_slot=0, hyperparameters=Hyperparameters(
+            lora=LoRAHyperparameters(r=4, alpha=8.0, target_modules=["down_proj"])),
+        num_training_steps=1, init_adapter_path=None, seed=0)
+    assert not q_proj.active_slots and not q_proj.lora_a[0].any()
+    assert modules[(0, "down_proj")].active_slots == {0}
+    executor.remove_finetune_job("j")
+    assert all(not m.active_slots for m in modules.values())
     grid = warmup_grid(8192, 1024, 256, 1024, info.num_blocks, info.block_size)
     assert [s.num_tokens for s in grid.finetune] == [256, 300]
     assert [s.forward_window % 16 for s in grid.finetune] == [0, 8]  # both specializations

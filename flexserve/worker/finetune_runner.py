@@ -182,6 +182,10 @@ class FinetuneRunner:
         if rank > max_rank:
             raise ValueError(f"LoRA rank {rank} exceeds max_lora_rank {max_rank} (--max-lora-rank): "
                              "the job's adapter lives in a LoRA slot")
+        # The slot may still hold an earlier adapter's weights (a served adapter evicted from it,
+        # the start-up warm-up's job) on projections this job does not train: they would join its
+        # forward but not its gradients, and keep every linear's LoRA kernels running for it.
+        self.lora_manager.clear_slot(spec.lora_slot)
         with torch.no_grad():
             job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
                        self.remat_threshold, self.remat_chains)
@@ -199,6 +203,7 @@ class FinetuneRunner:
         job = self.jobs.pop(job_id, None)
         if job is not None:
             job.sequences.clear()
+            self.lora_manager.clear_slot(job.spec.lora_slot)
             self._count_bytes()
 
     def save_adapter(self, job_id: str, path: str, base_model_name_or_path: str | None) -> None:
