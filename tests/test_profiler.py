@@ -246,5 +246,8 @@ def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir)
     grid = warmup_grid(8192, 1024, 256, 1024, info.num_blocks, info.block_size)
     assert [s.num_tokens for s in grid.finetune] == [256, 300]
     assert [s.forward_window % 16 for s in grid.finetune] == [0, 8]  # both specializations
+    # Decode next to prefill at 256 x 2^i keys: each split count decode attention can pick.
+    assert {c.decode_context for c in grid.inference if c.prefill and c.decode_rows} == {256, 512, 1024}
+    assert {c.prefill[0][1] for c in grid.inference if c.prefill} == {16, 32, 64, 128}
     assert warmup_grid(8, 1024, 256, 1024, 100, 16) is None  # a budget of 8 tokens: no room
     assert warmup_grid(8192, 1024, 256, 1024, 40, 16) is None  # 40 KV blocks: no room

@@ -1,4 +1,4 @@
-"""Compile the fine-tuning path's kernels at start-up, before any request can wait on them.
+"""Compile the kernels of eager iterations at start-up, before any request can wait on them.
 
 Triton compiles a kernel the first time it meets a new signature (dtypes, rank, whether integer
 arguments are multiples of 16), 0.5-1.3 s each on an H200. Served alone, that delays a job's
@@ -6,11 +6,16 @@ first windows; co-served, every request decoding in those iterations waits too: 
 H200, the first 30 s co-serving run (4 req/s, a fine-tuning job starting with it) met the TPOT
 SLO for 33% of requests against 95% once the kernels were compiled (docs/benchmarks.md).
 
-`warmup_finetune` runs two short fine-tuning sequences (forward windows with decode rows riding
-along, the layer-wise backward of every layer, windows of 16-multiple and other sizes) through
-the profiler's plans (`flexserve.worker.profiler.profile_executor`) on the idle executor, with a
-LoRA job on all seven projections; the job and its KV blocks are gone afterwards. Jobs of another
-rank may still compile their own LoRA kernel variants.
+`warmup_finetune` runs, through the profiler's plans (`flexserve.worker.profiler.profile_executor`)
+on the idle executor:
+- two short fine-tuning sequences (forward windows with decode rows riding along, the layer-wise
+  backward of every layer, windows of 16-multiple and other sizes), with a LoRA job on all seven
+  projections; the job, its slot's weights and its KV blocks are gone afterwards;
+- prefill chunks of each query-tile size (16-128 tokens), alone and next to a decode row whose
+  context spans 256-4096+ keys: every split count that decode attention picks for a mixed batch
+  (a compile-time constant: 22 variants compiled during the first 30 s of a cold co-serving run).
+Pure decode steps need none: CUDA-graph capture compiled them. Jobs of another rank may still
+compile their own LoRA kernel variants.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ def warmup_grid(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
     if aligned < 16 or odd < 16:
         return None
     rows = InferenceCase(decode_rows=min(2, max_num_seqs), decode_context=16)
+    inference = [rows]
+    for chunk in (16, 32, 64, 128):
+        if chunk + 1 > max_num_batched_tokens:
+            break
+        inference.append(InferenceCase([(0, chunk)]))
+        context = 256  # decode attention's keys per split (MIN_KEYS_PER_SPLIT): splits 1, 2, 4, ...
+        while context <= max_model_len and max_num_seqs >= 2:
+            inference.append(InferenceCase([(0, chunk)], 1, context))
+            context *= 2
     scenarios = [
         # 16-multiple windows, several backward windows (layers) per iteration, decode rows.
         FinetuneScenario(aligned, max(16, aligned // 2), max(16, aligned // 2), backward_group=8,
@@ -44,7 +58,7 @@ def warmup_grid(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
     blocks = sum(2 * -(-s.num_tokens // block_size) for s in scenarios)
     if blocks >= num_blocks:
         return None
-    return ProfileGrid(inference=[rows], finetune=scenarios, max_tokens=max_num_batched_tokens,
+    return ProfileGrid(inference=inference, finetune=scenarios, max_tokens=max_num_batched_tokens,
                        max_context=max_model_len, max_rows=max_num_seqs,
                        max_finetune_len=max_finetune_len, num_heldout_inference=0,
                        num_heldout_finetune=0)
