@@ -31,6 +31,7 @@ from _triton_interpret import (
                        interpret=not torch.cuda.is_available())
 
 from flexserve.worker import layer_backward  # noqa: E402
+from flexserve.worker.backward_gradients import WindowGradients  # noqa: E402
 
 INTERPRETED = is_interpreted(fb._silu_mul_bwd_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -200,7 +201,7 @@ def test_launchers_reject_bad_inputs():
 # ------------------------------------------------------------ the layer-wise backward, fused
 def test_fused_gradient_sums_never_write_aliased_tensors():
     names = ("a", "b", "c")
-    grads = layer_backward._Gradients(dict.fromkeys(names, True), fused=True)
+    grads = WindowGradients(dict.fromkeys(names, True), fused=True)
     rows, one = torch.ones(3, 4), torch.ones(3, 4, dtype=torch.bfloat16)
     fresh = torch.full((3, 4), 2.0)
     grads.give("a", rows)  # an alias (e.g. the residual rows): summed into a new buffer
@@ -218,7 +219,7 @@ def test_fused_gradient_sums_never_write_aliased_tensors():
     total = grads.values["c"]
     assert total.dtype == torch.float32 and torch.equal(total, torch.full((3, 4), 2.0))
     assert grads.owns("c") and torch.equal(one, torch.ones(3, 4, dtype=torch.bfloat16))
-    torch_path = layer_backward._Gradients({"a": True, "x": False}, fused=False)
+    torch_path = WindowGradients({"a": True, "x": False}, fused=False)
     torch_path.give("x", rows)
     torch_path.give("a", rows)
     torch_path.give("a", fresh, fresh=True)

@@ -21,16 +21,10 @@ layer's stored activations are freed. Any split gives whole-sequence backprop's 
 Precision: activations and frozen weights in the model's dtype (GEMMs run in it); gradients, the
 residual buffer, the accumulators and the LoRA math in fp32.
 
-Where `use_triton` says so (CUDA), the elementwise backward is fused Triton kernels
-(flexserve_kernels.finetune_backward) with the same fp32 math in registers: the SiLU-and-mul
-backward (one pass: dgate, dup), the RMSNorm backward summed with the residual add's gradient in
-the same kernel (into the residual rows for the layer's input norm), and the rope backward (which
-also widens dQ). Elsewhere the torch code below runs, op by op in fp32. The fused path also drops
-temporaries without changing a value: a dX GEMM's model-dtype product is kept as is (it is the
-gradient's exact value; readers widen it), a kernel output whose one reader is a frozen
-projection is written in that projection's dtype (the rounding its dX GEMM's cast would do), and
-sums go in place into buffers the window allocated (`_Gradients`), never into the residual rows
-or the KV-gradient accumulators that other names still alias.
+Where `use_triton` says so (CUDA), the elementwise backward is fused Triton kernels with the
+torch path's fp32 math (`backward_ops`). The fused path also drops temporaries without changing a
+value: a dX GEMM's model-dtype product is kept as is (it is the gradient's exact value; readers
+widen it), and sums go in place only into buffers the window allocated (`WindowGradients`).
 """
 
 from __future__ import annotations
@@ -47,6 +41,15 @@ from flexserve.layers.rotary import rotate
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.layer_graph import LayerGraph, Op
 from flexserve.worker.activation_store import ActivationStore, apply_lora_dropout
+from flexserve.worker.backward_gradients import WindowGradients
+from flexserve.worker.backward_ops import (
+    fused_rope_backward,
+    fused_silu_mul_backward,
+    rmsnorm_backward,
+    rmsnorm_forward,
+    rope_backward,
+    silu_mul_backward,
+)
 from flexserve_kernels.dispatch import use_triton
 
 
@@ -70,30 +73,6 @@ def lora_grad_buffers(
                 grads[lora_grad_name(layer, target, "A")] = torch.zeros(rank, n_in, device=device)
                 grads[lora_grad_name(layer, target, "B")] = torch.zeros(n_out, rank, device=device)
     return grads
-
-
-# ------------------------------------------------------------------------------ op math
-def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm` without a residual: normalize in fp32, cast back, scale."""
-    h = x.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def rmsnorm_backward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor
-) -> torch.Tensor:
-    """fp32 dL/dx of y = weight * x / rms(x) (frozen weight), given dL/dy."""
-    h = x.float()
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    d = grad * weight.float()
-    return rstd * (d - h * (rstd * rstd) * (d * h).mean(-1, keepdim=True))
-
-
-def rope_backward(
-    grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
-) -> torch.Tensor:
-    """The rotation's transpose: rotate by -angle (also right for scaled cos/sin, e.g. YaRN)."""
-    return rotate(grad, cos, -sin, head_dim)
 
 
 def backward_reads(op: Op) -> tuple[str, ...]:
@@ -252,7 +231,7 @@ class SequenceBackward:
 
     def _run_window(self, win: _Window) -> None:
         rows = self.residual_grad[win.start:win.end]
-        grads = _Gradients(self._needed[win.layer > 0], use_triton(rows.device))
+        grads = WindowGradients(self._needed[win.layer > 0], use_triton(rows.device))
         grads.values[self.graph.ops[-1].outputs[0]] = rows
         for op in reversed(self.graph.ops):
             grad = grads.values.get(op.outputs[0])
@@ -261,7 +240,7 @@ class SequenceBackward:
         if grads.needed["x"] and grads.values["x"] is not rows:
             rows.copy_(grads.values["x"])
 
-    def _op_backward(self, win: _Window, op: Op, grad: torch.Tensor, grads: _Gradients,
+    def _op_backward(self, win: _Window, op: Op, grad: torch.Tensor, grads: WindowGradients,
                      rows: torch.Tensor) -> None:
         kind, name, needed, give, fused = (op.kind, op.inputs[0], grads.needed, grads.give,
                                            grads.fused)
@@ -303,11 +282,8 @@ class SequenceBackward:
             give(name, apply_lora_dropout(grad.float(), keep, self.store.lora_dropout), fresh=True)
         elif kind == "rope" and needed[name]:
             if fused:
-                from flexserve_kernels.finetune_backward import rope_backward as rope_backward_fused
-
                 dtype = self._grad_dtype(win.layer, name)
-                out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-                give(name, rope_backward_fused(grad, win.cos, win.sin, self.head_dim, out),
+                give(name, fused_rope_backward(grad, win.cos, win.sin, self.head_dim, dtype),
                      fresh=True)
             else:
                 give(name, rope_backward(grad, win.cos, win.sin, self.head_dim))
@@ -315,23 +291,18 @@ class SequenceBackward:
             self._attention_backward(win, op, grad, grads)
         elif kind == "silu_mul":
             gate_name, up_name = op.inputs
+            gate, up = win.act(gate_name), win.act(up_name)
             if fused:
-                from flexserve_kernels.finetune_backward import silu_mul_backward
-
-                outs = [torch.empty(grad.shape, dtype=self._grad_dtype(win.layer, n),
-                                    device=grad.device) for n in op.inputs]
-                d_gate, d_up = silu_mul_backward(grad, win.act(gate_name), win.act(up_name), *outs)
-                give(gate_name, d_gate, fresh=True)
-                give(up_name, d_up, fresh=True)
+                dtypes = tuple(self._grad_dtype(win.layer, n) for n in op.inputs)
+                d_gate, d_up = fused_silu_mul_backward(grad, gate, up, dtypes)
             else:
-                gate, up = win.act(gate_name).float(), win.act(up_name).float()
-                sig = torch.sigmoid(gate)
-                give(gate_name, grad * up * sig * (1 + gate * (1 - sig)))
-                give(up_name, grad * (gate * sig))
+                d_gate, d_up = silu_mul_backward(grad, gate, up)
+            give(gate_name, d_gate, fresh=fused)  # only the fused path sums in place
+            give(up_name, d_up, fresh=fused)
         elif kind not in ("rmsnorm", "linear", "dropout", "rope"):
             raise ValueError(f"no backward for op kind {kind!r} ({op.name})")
 
-    def _rmsnorm_fused(self, win: _Window, op: Op, grad: torch.Tensor, grads: _Gradients,
+    def _rmsnorm_fused(self, win: _Window, op: Op, grad: torch.Tensor, grads: WindowGradients,
                        rows: torch.Tensor) -> None:
         """One kernel: dL/dx of the norm plus the gradient x already has (the residual add's),
         summed into a buffer this window owns, or into the residual rows themselves when this is
@@ -358,7 +329,7 @@ class SequenceBackward:
         return torch.float32 if target is None else self.linear(layer, target).weight.dtype
 
     def _attention_backward(self, win: _Window, op: Op, grad: torch.Tensor,
-                            grads: _Gradients) -> None:
+                            grads: WindowGradients) -> None:
         out, q, k, v = win.attention_graph()
         n = win.end - win.start
         grad_out = grad.view(n, self.num_heads, self.head_dim).transpose(0, 1).unsqueeze(0)
@@ -373,51 +344,6 @@ class SequenceBackward:
             if grads.needed[name]:
                 acc[:win.end].add_(leaf.grad)
                 grads.give(name, acc[win.start:win.end].view(n, -1))
-
-
-class _Gradients:
-    """dL/dtensor of one backward window by name, summed as the ops' contributions arrive.
-
-    Torch path: each sum is a new fp32 tensor. Fused path: a value may be held in the model's
-    dtype when that is its exact value (a dX GEMM's product); sums go in place into a buffer the
-    window allocated for that name alone ("owned"); any other value (the residual rows, the KV
-    accumulators' slices, a tensor an add op gave to both of its inputs) is never written.
-    """
-
-    def __init__(self, needed: dict[str, bool], fused: bool) -> None:
-        self.needed = needed
-        self.fused = fused
-        self.values: dict[str, torch.Tensor] = {}
-        self._owned: set[str] = set()
-
-    def owns(self, name: str) -> bool:
-        return name in self._owned
-
-    def set_owned(self, name: str, owned: bool) -> None:
-        (self._owned.add if owned else self._owned.discard)(name)
-
-    def give(self, name: str, grad: torch.Tensor, fresh: bool = False) -> None:
-        """Add `grad` to dL/d`name` (if needed); `fresh`: grad is a new tensor nothing else
-        references, so the sum may reuse it."""
-        if not self.needed.get(name, False):
-            return
-        old = self.values.get(name)
-        fresh = fresh and grad.dtype == torch.float32
-        if old is None:
-            self.values[name] = grad
-        elif not self.fused:
-            self.values[name] = old + grad
-        elif name in self._owned:
-            old.add_(grad)  # fp32 += (widened) grad: the sum's exact fp32 value
-            return
-        elif fresh:
-            self.values[name] = grad.add_(old)  # fp32 addition commutes: the same value
-        elif old.dtype == grad.dtype != torch.float32:
-            self.values[name] = old.float().add_(grad)
-        else:
-            self.values[name] = old + grad  # promotes to fp32
-        if self.fused:
-            self.set_owned(name, fresh or old is not None)
 
 
 class _Window:
