@@ -295,17 +295,7 @@ def _profile(work, num_steps: int, num_skip: int) -> dict:
 def step_device_ms(engine, num_steps: int) -> float:
     """Median time of one unprofiled `engine.step()` on the device clock (CUDA events around it:
     host work before its first kernel included, as in the step pass's span)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(num_steps):
-        start.record()
-        engine.step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return _sibling("decode_step_profile").event_ms(engine.step, num_steps)
 
 
 def main() -> None:

@@ -71,17 +71,23 @@ def decode_graph(runner, batch: int):
     return runner.graph_runner.graphs[key]
 
 
-def graph_replay_ms(graph, reps: int = 20) -> float:
-    """Median device time of one `graph.replay()`, from CUDA events around it."""
+def event_ms(fn, reps: int = 20) -> float:
+    """Median time of `fn()` on the device clock, from CUDA events around it (host work before
+    its first kernel included)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
-        graph.replay()
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return median(times)
+
+
+def graph_replay_ms(graph, reps: int = 20) -> float:
+    """Median device time of one `graph.replay()`."""
+    return event_ms(graph.replay, reps)
 
 
 def main() -> None:
