@@ -55,29 +55,22 @@ class StepStats:
     latency_model_error_ratio: float = 0.0  # rolling |predicted - measured| / measured
 
 
-# A step that starts within this long after the previous one returned follows it back to back
-# (the caller only handled that step's outputs in between); after a longer gap the engine idled.
-BACK_TO_BACK_S = 0.05
-
-
 class EngineCore:
     """Drives one scheduler and one executor; knows nothing about text or HTTP."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        # The last executed plan, when it started, when its execute ended and when step returned.
-        self._last: tuple[BatchPlan, float, float, float] | None = None
 
     def step(self) -> tuple[list[Request], StepResult | None, StepStats | None]:
         """One iteration. Returns the requests that advanced or finished, the raw result, stats."""
         start = time.perf_counter()
-        self._observe_last(start)
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return [], None, None
         result = self.executor.execute(plan)
-        executed = time.perf_counter()
+        # Schedule + execute is what the next token waits for; the latency model predicts it.
+        self.scheduler.observe_iteration(plan, time.perf_counter() - start)
         failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
         hybrid = self.scheduler.hybrid
@@ -97,17 +90,4 @@ class EngineCore:
         for window in plan.backward_windows:
             tokens = stats.finetune_backward_tokens
             tokens[window.job_id] = tokens.get(window.job_id, 0) + window.end - window.start
-        self._last = (plan, start, executed, time.perf_counter())
         return updated, result, stats
-
-    def _observe_last(self, now: float) -> None:
-        """Give the latency model the last plan's time, which corrects it online: from its start
-        to this step's start when the two ran back to back (a request's next token waited for all
-        of it: update and output processing too, 3-4 ms a step on the H200 under co-serving),
-        else its schedule + execute (the engine idled after it)."""
-        if self._last is None:
-            return
-        plan, start, executed, returned = self._last
-        self._last = None
-        end = now if now - returned <= BACK_TO_BACK_S else executed
-        self.scheduler.observe_iteration(plan, end - start)
