@@ -295,7 +295,7 @@ def _profile(work, num_steps: int, num_skip: int) -> dict:
 def step_device_ms(engine, num_steps: int) -> float:
     """Median time of one unprofiled `engine.step()` on the device clock (CUDA events around it:
     host work before its first kernel included, as in the step pass's span)."""
-    return _sibling("decode_step_profile").event_ms(engine.step, num_steps)
+    return _sibling("offline_throughput").median_event_ms(engine.step, num_steps)
 
 
 def main() -> None:

@@ -71,23 +71,11 @@ def decode_graph(runner, batch: int):
     return runner.graph_runner.graphs[key]
 
 
-def event_ms(fn, reps: int = 20) -> float:
-    """Median time of `fn()` on the device clock, from CUDA events around it (host work before
-    its first kernel included)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return median(times)
-
-
 def graph_replay_ms(graph, reps: int = 20) -> float:
     """Median device time of one `graph.replay()`."""
-    return event_ms(graph.replay, reps)
+    from offline_throughput import median_event_ms  # benchmarks/, the script's directory
+
+    return median_event_ms(graph.replay, reps)
 
 
 def main() -> None:

@@ -28,6 +28,23 @@ def random_prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> li
     return torch.randint(100, vocab_size - 100, (batch, input_len), generator=g).tolist()
 
 
+def median_event_ms(fn, reps: int = 20, warmup: int = 0) -> float:
+    """Median time of `fn()` on the device clock, from CUDA events around it (host work before
+    its first kernel included), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def measure_peaks(device: torch.device) -> dict[str, float]:
     """The two ceilings: device copy bandwidth (read + write) and bf16 matmul rate."""
     n = 1 << 28  # 256 Mi bf16 elements = 512 MiB
@@ -35,23 +52,8 @@ def measure_peaks(device: torch.device) -> dict[str, float]:
     dst = torch.empty_like(src)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-
-    def timed(fn, reps: int) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]
-
-    copy_s = timed(lambda: dst.copy_(src), 20)
-    mm_s = timed(lambda: a @ b, 20)
+    copy_s = median_event_ms(lambda: dst.copy_(src), 20, warmup=3) / 1e3
+    mm_s = median_event_ms(lambda: a @ b, 20, warmup=3) / 1e3
     return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "matmul_tflop_s": 2 * 8192**3 / mm_s / 1e12}
 
 

@@ -32,6 +32,15 @@ from flexserve_kernels.lora_shrink import check_launchable, target_programs
 
 
 @triton.jit
+def _chunk_rows(seg_starts_ptr, seg_slots_ptr, seg, seg_len, chunk, rows_per_chunk):
+    """(slot, first row, row past the end) of one segment's row chunk in the flat batch."""
+    start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    return (slot, start + chunk * rows_per_chunk,
+            start + tl.minimum(seg_len, (chunk + 1) * rows_per_chunk))
+
+
+@triton.jit
 def _lora_train_ds_db_bwd_kernel(
     dy_ptr, b_ptr, s_ptr, ds_part_ptr, db_part_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
     N, max_rank, rows_per_chunk, n_per_split, num_chunks,
@@ -47,11 +56,8 @@ def _lora_train_ds_db_bwd_kernel(
     seg_len = tl.load(seg_lens_ptr + seg)
     if chunk * rows_per_chunk >= seg_len:
         return
-    start = tl.load(seg_starts_ptr + seg)
-    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    slot, row_begin, row_stop = _chunk_rows(seg_starts_ptr, seg_slots_ptr, seg, seg_len, chunk, rows_per_chunk)
     scale = tl.load(scalings_ptr + slot)
-    row_begin = start + chunk * rows_per_chunk
-    row_stop = start + tl.minimum(seg_len, (chunk + 1) * rows_per_chunk)
     n_begin = split * n_per_split
     n_stop = tl.minimum(N, n_begin + n_per_split)
     offs_m = tl.arange(0, BLOCK_M)
@@ -96,11 +102,8 @@ def _lora_train_da_bwd_kernel(
     seg_len = tl.load(seg_lens_ptr + seg)
     if chunk * rows_per_chunk >= seg_len:
         return
-    start = tl.load(seg_starts_ptr + seg)
-    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    slot, row_begin, row_stop = _chunk_rows(seg_starts_ptr, seg_slots_ptr, seg, seg_len, chunk, rows_per_chunk)
     p = tl.load(dropout_ps_ptr + slot)
-    row_begin = start + chunk * rows_per_chunk
-    row_stop = start + tl.minimum(seg_len, (chunk + 1) * rows_per_chunk)
     k_begin = split * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)

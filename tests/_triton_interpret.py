@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -68,14 +69,29 @@ def run_module_in_child(path: str) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
-def interpret_or_defer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-                       interpreted: bool, run_in_child: bool) -> None:
-    """Body of each kernel module's autouse fixture: skip tests the child process runs, and keep
-    TRITON_INTERPRET set while an interpreted test launches kernels."""
-    if run_in_child and request.node.originalname != CHILD_TEST_NAME:
-        pytest.skip(f"runs in {CHILD_TEST_NAME}")
-    if interpreted:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def interpreter_hooks(path: str, interpreted: bool, run_in_child: bool) -> tuple[Any, Any]:
+    """(the child-process test, the autouse fixture) of a kernel test module; assign them there:
+
+        test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+            __file__, INTERPRETED, RUN_IN_CHILD)
+
+    The test reruns the module in a child process when Triton's library is compiled in this one;
+    the fixture then skips the module's other tests here, and otherwise keeps TRITON_INTERPRET
+    set while an interpreted test launches kernels."""
+
+    @pytest.mark.skipif(not run_in_child, reason="Triton's library is interpreted in this process")
+    def test_module_in_interpreter_child_process():
+        run_module_in_child(path)
+
+    @pytest.fixture(autouse=True)
+    def _triton_interpret(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+        if run_in_child and request.node.originalname != CHILD_TEST_NAME:
+            pytest.skip(f"runs in {CHILD_TEST_NAME}")
+        if interpreted:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    assert test_module_in_interpreter_child_process.__name__ == CHILD_TEST_NAME
+    return test_module_in_interpreter_child_process, _triton_interpret
 
 
 def compile_for_hopper(script: str) -> None:

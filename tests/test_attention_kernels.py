@@ -23,10 +23,9 @@ import pytest
 import torch
 from _triton_interpret import (
     import_kernels,
-    interpret_or_defer,
+    interpreter_hooks,
     is_interpreted,
     library_is_compiled,
-    run_module_in_child,
 )
 
 _KERNEL_MODULES = (
@@ -58,14 +57,8 @@ DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.5e-2, 2e-2)}
 
 
-@pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
-def test_module_in_interpreter_child_process():
-    run_module_in_child(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpret(request, monkeypatch):
-    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
+test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+    __file__, INTERPRETED, RUN_IN_CHILD)
 
 
 # ------------------------------------------------------------------------------------ batches

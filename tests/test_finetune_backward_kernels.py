@@ -21,10 +21,9 @@ import torch
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
-    interpret_or_defer,
+    interpreter_hooks,
     is_interpreted,
     library_is_compiled,
-    run_module_in_child,
 )
 
 (fb,) = import_kernels(("flexserve_kernels.finetune_backward",),
@@ -41,14 +40,8 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
 
-@pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
-def test_module_in_interpreter_child_process():
-    run_module_in_child(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpret(request, monkeypatch):
-    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
+test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+    __file__, INTERPRETED, RUN_IN_CHILD)
 
 
 def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):

@@ -20,10 +20,9 @@ import pytest
 import torch
 from _triton_interpret import (
     import_kernels,
-    interpret_or_defer,
+    interpreter_hooks,
     is_interpreted,
     library_is_compiled,
-    run_module_in_child,
 )
 
 _KERNEL_MODULES = (
@@ -57,14 +56,8 @@ TOLERANCE = {
 BITWISE = {torch.float32: INTERPRETED, torch.float16: INTERPRETED, torch.bfloat16: False}
 
 
-@pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
-def test_module_in_interpreter_child_process():
-    run_module_in_child(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpret(request, monkeypatch):
-    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
+test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+    __file__, INTERPRETED, RUN_IN_CHILD)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

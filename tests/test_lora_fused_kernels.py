@@ -26,10 +26,9 @@ import torch
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
-    interpret_or_defer,
+    interpreter_hooks,
     is_interpreted,
     library_is_compiled,
-    run_module_in_child,
 )
 
 from flexserve_kernels.lora_meta import LoRAKernelMeta
@@ -52,14 +51,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
 
 
-@pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
-def test_module_in_interpreter_child_process():
-    run_module_in_child(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpret(request, monkeypatch):
-    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
+test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+    __file__, INTERPRETED, RUN_IN_CHILD)
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ import torch
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
-    interpret_or_defer,
+    interpreter_hooks,
     is_interpreted,
     library_is_compiled,
-    run_module_in_child,
 )
 
 from flexserve_kernels.lora_meta import LoRAKernelMeta
@@ -39,14 +38,8 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 RUN_IN_CHILD = INTERPRETED and library_is_compiled()
 
 
-@pytest.mark.skipif(not RUN_IN_CHILD, reason="Triton's library is interpreted in this process")
-def test_module_in_interpreter_child_process():
-    run_module_in_child(__file__)
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpret(request, monkeypatch):
-    interpret_or_defer(request, monkeypatch, INTERPRETED, RUN_IN_CHILD)
+test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+    __file__, INTERPRETED, RUN_IN_CHILD)
 
 
 @dataclass(frozen=True)

@@ -40,22 +40,32 @@ def tiny_dir(tiny_checkpoint, tiny_config):
     return tiny_checkpoint(config)
 
 
-def test_profile_tiny_model_predicts_heldout_iterations(tiny_dir):
-    from flexserve.worker.builder import build_executor
-
+@pytest.fixture
+def one_thread():
+    """Single-threaded torch: timings of a tiny model are not split across the shared cores."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        config = EngineConfig(
-            model=ModelConfig(model=tiny_dir, dtype="float32", max_model_len=1024),
-            cache=CacheConfig(kv_cache_gib=0.05), lora=LoRAConfig(max_loras=1, max_lora_rank=16))
-        executor, _, info = build_executor(config)
-        grid = ProfileGrid.default(256, info.max_model_len, 64, 1024, quick=True)
-        grid.num_heldout_inference, grid.num_heldout_finetune = 12, 2
-        result = profile_executor(executor, info, grid, repeats=5, warmup=1, progress=False,
-                                  clock=time.thread_time)
-    finally:
-        torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_executor(tiny_dir):
+    """(config, executor, info) of the tiny model on CPU with one LoRA slot of rank 16."""
+    from flexserve.worker.builder import build_executor
+
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_dir, dtype="float32", max_model_len=1024),
+        cache=CacheConfig(kv_cache_gib=0.05), lora=LoRAConfig(max_loras=1, max_lora_rank=16))
+    executor, _, info = build_executor(config)
+    return config, executor, info
+
+
+def test_profile_tiny_model_predicts_heldout_iterations(tiny_dir, one_thread):
+    _, executor, info = tiny_executor(tiny_dir)
+    grid = ProfileGrid.default(256, info.max_model_len, 64, 1024, quick=True)
+    grid.num_heldout_inference, grid.num_heldout_finetune = 12, 2
+    result = profile_executor(executor, info, grid, repeats=5, warmup=1, progress=False,
+                              clock=time.thread_time)
     assert executor.finetune_runner.jobs == {}  # the profiling job is gone
     shapes = [shape for shape, _ in result.samples]
     assert any(s.decode_rows and not s.prefill_tokens for s in shapes)
@@ -212,22 +222,13 @@ def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
         main(common + ["--repeats", "0"])
 
 
-def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir):
+def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir, one_thread):
     from flexserve.finetune.hyperparameters import Hyperparameters, LoRAHyperparameters
-    from flexserve.worker.builder import build_executor
     from flexserve.worker.finetune_warmup import warmup_finetune, warmup_grid
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        config = EngineConfig(
-            model=ModelConfig(model=tiny_dir, dtype="float32", max_model_len=1024),
-            cache=CacheConfig(kv_cache_gib=0.05), lora=LoRAConfig(max_loras=1, max_lora_rank=16))
-        executor, _, info = build_executor(config)  # CPU: build_executor itself skips it
-        assert executor.finetune_runner is None
-        seconds = warmup_finetune(executor, info, config)
-    finally:
-        torch.set_num_threads(threads)
+    config, executor, info = tiny_executor(tiny_dir)
+    assert executor.finetune_runner is None  # CPU: build_executor itself skips the warm-up
+    seconds = warmup_finetune(executor, info, config)
     assert seconds is not None and seconds > 0
     assert executor.finetune_runner.jobs == {}  # the warm-up job is gone, and its weights
     modules = executor.lora_manager.modules

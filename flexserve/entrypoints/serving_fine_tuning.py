@@ -97,33 +97,31 @@ async def cancel_job(request: Request) -> Response:
 
 
 async def list_events(request: Request) -> Response:
-    service, job_id = _service(request), request.path_params["job_id"]
-    await _require_job(service, job_id, owner_tenant(request))
-    query = request.query_params
-    limit = int_query_param(query.get("limit"), "limit", 20, 1, MAX_PAGE_LIMIT)
-    try:
-        events, has_more = await asyncio.to_thread(service.store.list_events, job_id,
-                                                   query.get("after"), limit)
-    except ValueError as e:
-        raise bad_request(str(e), param="after", code="invalid_value") from e
+    events, has_more = await _job_page(request, "list_events", 20)
     return json_response(FineTuningJobEventList(
         data=[FineTuningJobEvent.from_record(e) for e in events], has_more=has_more))
 
 
 async def list_checkpoints(request: Request) -> Response:
-    service, job_id = _service(request), request.path_params["job_id"]
-    await _require_job(service, job_id, owner_tenant(request))
-    query = request.query_params
-    limit = int_query_param(query.get("limit"), "limit", 10, 1, MAX_PAGE_LIMIT)
-    try:
-        checkpoints, has_more = await asyncio.to_thread(service.store.list_checkpoints, job_id,
-                                                        query.get("after"), limit)
-    except ValueError as e:
-        raise bad_request(str(e), param="after", code="invalid_value") from e
+    checkpoints, has_more = await _job_page(request, "list_checkpoints", 10)
     data = [FineTuningJobCheckpoint.from_record(c) for c in checkpoints]
     return json_response(FineTuningJobCheckpointList(
         data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
         has_more=has_more))
+
+
+async def _job_page(request: Request, lister: str, default_limit: int) -> tuple[list, bool]:
+    """One page (items, has_more) of a caller's job's events or checkpoints, from the store's
+    method `lister`; `limit` and `after` come from the query (400 when invalid)."""
+    service, job_id = _service(request), request.path_params["job_id"]
+    await _require_job(service, job_id, owner_tenant(request))
+    query = request.query_params
+    limit = int_query_param(query.get("limit"), "limit", default_limit, 1, MAX_PAGE_LIMIT)
+    try:
+        return await asyncio.to_thread(getattr(service.store, lister), job_id, query.get("after"),
+                                       limit)
+    except ValueError as e:
+        raise bad_request(str(e), param="after", code="invalid_value") from e
 
 
 async def _require_job(service: FinetuneService, job_id: str, tenant: str) -> JobRecord:
