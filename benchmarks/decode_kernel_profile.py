@@ -42,6 +42,7 @@ STEP_LABEL = "decode_kernel_profile.step"
 # attention). cuBLAS picks nvjet_* (Hopper), sm90_xmma_*/cutlass_* or gemv* kernels by shape.
 KERNEL_GROUPS = (
     ("rmsnorm", "RMSNorm (+residual)"),
+    ("rope_kv_write", "rotary + KV-cache write"),
     ("rotary", "rotary"),
     ("kv_cache_write", "KV-cache write"),
     ("decode_attention_reduce", "decode attention reduce"),

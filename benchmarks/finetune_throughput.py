@@ -9,7 +9,12 @@ each, every token in the loss) after one warm-up step. The budget per iteration 
 --max-num-batched-tokens: a sequence's forward is one window when it fits. Peak memory is
 max_memory_allocated during the timed steps minus what was allocated before the job (weights and
 the preallocated KV cache excluded): activations kept for the backward, the backward's buffers,
-gradients, fp32 master weights and AdamW state.
+gradients, fp32 master weights and AdamW state. "plan_activation_gb" is the activation store of
+one sequence (every layer's plan, `job.layer_plans`); `--finetune-activation-budget GIB` mixes
+the plans to fit (each job's max_seq_len is its sequence length, so the budget is sized for it):
+
+    python benchmarks/finetune_throughput.py --seq-lens 4096 --targets down_proj \
+        --finetune-activation-budget 5.5
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ def main() -> None:
                         help="graph pruning's recompute threshold [its default]")
     parser.add_argument("--remat-chains", action="store_true",
                         help="graph pruning's chains beyond algorithm 1 (less memory)")
+    parser.add_argument("--finetune-activation-budget", type=float, default=None, metavar="GIB",
+                        help="activation budget per sequence: the lowest layers get remat chains "
+                             "until the store fits [off]")
+    parser.add_argument("--loss-chunk-rows", type=int, default=1024,
+                        help="rows of full-vocabulary logits at once in the window loss "
+                             "[%(default)s]")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time forward steps, backward steps, attention backward, "
                              "rematerialization, loss and optimizer (synchronizing timers)")
@@ -54,7 +65,9 @@ def main() -> None:
               max_model_len=max_len + 16, enable_lora=True, max_lora_rank=args.rank,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=16,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
-              remat_threshold=args.remat_threshold, remat_chains=args.remat_chains)
+              remat_threshold=args.remat_threshold, remat_chains=args.remat_chains,
+              activation_budget_gib=args.finetune_activation_budget,
+              loss_chunk_rows=args.loss_chunk_rows)
     engine = llm.engine
     vocab = engine.info.vocab_size
     rows = []
@@ -69,11 +82,17 @@ def main() -> None:
                             (seq_len - 1) * len(examples))
         hp = Hyperparameters.from_dict({
             "batch_size": 1, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-4,
+            "max_seq_len": seq_len,  # what the activation budget is sized for
             "lora": {"r": args.rank, "alpha": 2 * args.rank,
                      "target_modules": ALL if targets == "all" else targets.split(",")}})
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        job = engine.add_finetune_job(data, hp)
+        try:
+            job = engine.add_finetune_job(data, hp)
+        except ValueError as e:  # an activation budget that cannot hold this case
+            print(json.dumps({"model": args.model, "targets": targets, "seq_len": seq_len,
+                              "error": str(e)}), flush=True)
+            continue
         while job.step_index < 1:  # warm-up step (kernel compiles, allocator)
             engine.step()
         torch.cuda.synchronize()
@@ -87,16 +106,21 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         peak = torch.cuda.max_memory_allocated() - before
         runner = engine.executor.finetune_runner
-        plan = runner.jobs[job.job_id].plan
+        layers = runner.jobs[job.job_id].layer_plans
+        plan = layers.plans[-1]
         row = {
             "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
             "remat_threshold": plan.remat_threshold, "remat_chains": plan.chains,
             "stored": sorted(plan.stored),
+            "activation_budget_gib": args.finetune_activation_budget,
+            "lean_layers": list(layers.lean_layers),
+            "lean_stored": sorted(layers.plans[layers.lean_layers[0]].stored)
+            if layers.lean_layers else None,
+            "loss_chunk_rows": args.loss_chunk_rows,
             "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
             "peak_extra_memory_gb": round(peak / 1e9, 3),
-            "plan_activation_gb": round(plan.bytes_per_token * seq_len
-                                        * engine.info.num_layers / 1e9, 3),
+            "plan_activation_gb": round(layers.bytes_per_token * seq_len / 1e9, 3),
             "losses": [round(x, 4) for x in job.losses],
             "gpu": torch.cuda.get_device_name(),
         }

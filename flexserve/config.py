@@ -78,10 +78,15 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 2048  # token budget of one iteration (prefill chunks + decodes)
     max_num_seqs: int = 256  # running requests at most
+    # Schedule and launch a decode step before the previous one's tokens reach the host, so the
+    # host's per-step work overlaps the device's (`Scheduler.schedule_continuation`).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -150,10 +155,17 @@ class FinetuneConfig:
     remat_chains: bool = False  # also recompute through tensors the backward does not read
     warmup: bool = True  # compile the fine-tuning kernels at start-up (CUDA, LoRA on)
     loss_chunk_rows: int = 1024  # rows whose full-vocabulary logits exist at once in the loss
+    # GiB one sequence's activation store may take (at the job's longest sequence); layers go
+    # to remat chains, lowest first, until it fits (`flexserve.peft.activation_budget`); None: off
+    activation_budget_gib: float | None = None
 
     def __post_init__(self) -> None:
         _positive("max_finetune_len", self.max_finetune_len, allow_none=True)
         _positive_int("loss_chunk_rows", self.loss_chunk_rows)
+        _positive("activation_budget_gib", self.activation_budget_gib, allow_none=True)
+        if self.activation_budget_gib is not None and not self.activation_budget_gib < float("inf"):
+            raise ValueError(f"activation_budget_gib must be finite, got "
+                             f"{self.activation_budget_gib!r}")
         if self.remat_threshold is not None and (
                 isinstance(self.remat_threshold, bool) or self.remat_threshold < 0):
             raise ValueError(f"remat_threshold must be >= 0, got {self.remat_threshold!r}")

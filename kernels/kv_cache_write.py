@@ -48,6 +48,27 @@ def kv_cache_write(
     key/value may be strided views (e.g. slices of a fused qkv output) whose last dim is
     contiguous. Tokens whose slot is negative are skipped. No host sync: CUDA-graph safe.
     """
+    check_kv_cache_write_args(key, value, kv_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    # Up to 2048 elements of K (and as many of V) per program: Llama-3.1-8B's 8 x 128 in one.
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _kv_cache_write_kernel[grid](
+        key, value, kv_cache, slot_mapping,
+        num_kv_heads, kv_cache.shape[2],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def check_kv_cache_write_args(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor) -> None:
+    """ValueError unless key/value [T, KV, D] fit `kv_cache` [2, num_blocks, block_size, KV, D]
+    at `slot_mapping` [T], all on one device."""
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(f"key and value must both be [T, num_kv_heads, head_dim], got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
@@ -64,20 +85,6 @@ def kv_cache_write(
         raise ValueError("key, value and kv_cache must be contiguous in their last dimension")
     if not (key.device == value.device == kv_cache.device == slot_mapping.device):
         raise ValueError("key, value, kv_cache and slot_mapping must be on one device")
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    block_d = triton.next_power_of_2(head_dim)
-    # Up to 2048 elements of K (and as many of V) per program: Llama-3.1-8B's 8 x 128 in one.
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 2048 // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _kv_cache_write_kernel[grid](
-        key, value, kv_cache, slot_mapping,
-        num_kv_heads, kv_cache.shape[2],
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-    )
 
 
 def kv_cache_write_ref(

@@ -20,19 +20,41 @@ def _rotate_heads(
     x_ptr, stride_h, num_heads, cos, sin, offs_d, d_mask,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    x_ty = x_ptr.dtype.element_ty
     for h0 in range(0, num_heads, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
-        ptr1 = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
-        x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
-        a = (x1 * cos).to(x_ty).to(tl.float32)
-        b = (x2 * sin).to(x_ty).to(tl.float32)
-        c = (x2 * cos).to(x_ty).to(tl.float32)
-        d = (x1 * sin).to(x_ty).to(tl.float32)
-        tl.store(ptr1, (a - b).to(x_ty), mask=mask)
-        tl.store(ptr1 + HALF, (c + d).to(x_ty), mask=mask)
+        _rotate_tile(x_ptr + offs_h[:, None] * stride_h + offs_d[None, :], mask, cos, sin, HALF)
+
+
+@triton.jit
+def _rotate_tile(ptr1, mask, cos, sin, HALF: tl.constexpr):
+    # Rotate the heads whose first halves `ptr1` points at, in place; returns the rotated
+    # halves. Each product is rounded to x's dtype, as the eager ops do.
+    x_ty = ptr1.dtype.element_ty
+    x1 = tl.load(ptr1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    a = (x1 * cos).to(x_ty).to(tl.float32)
+    b = (x2 * sin).to(x_ty).to(tl.float32)
+    c = (x2 * cos).to(x_ty).to(tl.float32)
+    d = (x1 * sin).to(x_ty).to(tl.float32)
+    out1 = (a - b).to(x_ty)
+    out2 = (c + d).to(x_ty)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr1 + HALF, out2, mask=mask)
+    return out1, out2
+
+
+@triton.jit
+def _cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs, x_ty: tl.constexpr,
+             HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # The token's cos and sin rows [1, BLOCK_HALF], rounded to x's dtype, with their offsets.
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)
+    return (cos.to(x_ty).to(tl.float32)[None, :], sin.to(x_ty).to(tl.float32)[None, :],
+            offs_d, d_mask)
 
 
 @triton.jit
@@ -44,14 +66,8 @@ def _rotary_embedding_kernel(
 ):
     # One program per token: its cos/sin row is read once for all q and k heads.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    d_mask = offs_d < HALF
-    x_ty = q_ptr.dtype.element_ty
-    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_d, mask=d_mask, other=0.0)
-    cos = cos.to(x_ty).to(tl.float32)[None, :]
-    sin = sin.to(x_ty).to(tl.float32)[None, :]
+    cos, sin, offs_d, d_mask = _cos_sin(cos_sin_ptr, positions_ptr, token, stride_cs,
+                                        q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, cos, sin, offs_d, d_mask,
                   HALF, BLOCK_H)
     _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, offs_d, d_mask,
@@ -59,6 +75,9 @@ def _rotary_embedding_kernel(
 
 
 def _heads_view(x: torch.Tensor, head_dim: int, name: str) -> torch.Tensor:
+    """x [T, N*D] or [T, N, D] as [T, N, D] heads; ValueError for a bad shape or head_dim."""
+    if head_dim % 2 != 0 or head_dim <= 0:
+        raise ValueError(f"head_dim must be even and positive, got {head_dim}")
     if x.dim() == 2:
         if x.shape[1] % head_dim != 0:
             raise ValueError(f"{name} width {x.shape[1]} is not a multiple of head_dim {head_dim}")
@@ -86,10 +105,28 @@ def rotary_embedding(
     half and sin in the second (`RotaryEmbedding.cos_sin_cache`). Positions must be in range (not
     checked: that would need a host sync). CUDA-graph safe.
     """
-    if head_dim % 2 != 0 or head_dim <= 0:
-        raise ValueError(f"head_dim must be even and positive, got {head_dim}")
     q = _heads_view(query, head_dim, "query")
     k = _heads_view(key, head_dim, "key")
+    check_rotary_args(positions, q, k, cos_sin_cache, head_dim)
+    num_tokens = q.shape[0]
+    if num_tokens > 0:
+        half = head_dim // 2
+        block_half = triton.next_power_of_2(half)
+        # About 2048 elements of each half per step: all 32 q heads of Llama-3.1-8B at once.
+        block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 2048 // block_half))
+        _rotary_embedding_kernel[(num_tokens,)](
+            q, k, cos_sin_cache, positions,
+            q.shape[1], k.shape[1],
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4,
+        )
+    return query, key
+
+
+def check_rotary_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    """ValueError unless q [T, H, D] and k [T, KV, D] (head views) rotate at `positions` [T]
+    with `cos_sin_cache` [max_position, D], all on one device."""
     num_tokens = q.shape[0]
     if k.shape[0] != num_tokens or positions.shape != (num_tokens,):
         raise ValueError(f"query has {num_tokens} tokens, key {k.shape[0]}, positions "
@@ -103,18 +140,6 @@ def rotary_embedding(
                          f"dimension, got {tuple(cos_sin_cache.shape)}")
     if not (q.device == k.device == positions.device == cos_sin_cache.device):
         raise ValueError("positions, query, key and cos_sin_cache must be on one device")
-    if num_tokens > 0:
-        half = head_dim // 2
-        block_half = triton.next_power_of_2(half)
-        # About 2048 elements of each half per step: all 32 q heads of Llama-3.1-8B at once.
-        block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 2048 // block_half))
-        _rotary_embedding_kernel[(num_tokens,)](
-            q, k, cos_sin_cache, positions,
-            q.shape[1], k.shape[1],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-            HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, num_warps=4,
-        )
-    return query, key
 
 
 def rotary_embedding_ref(

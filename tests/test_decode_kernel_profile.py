@@ -110,6 +110,7 @@ def test_kernel_names_and_groups(prof):
     assert group("_decode_attention_reduce_kernel") == "decode attention reduce"
     assert group("_decode_attention_kernel") == "decode attention (split-K)"
     assert group("_kv_cache_write_kernel") == "KV-cache write"
+    assert group("_rope_kv_write_kernel") == "rotary + KV-cache write"
     assert group("_silu_and_mul_kernel_0d1d2de") == "SiLU-and-mul"
     assert group("Memcpy HtoD (Pageable -> Device)") == "memcpy"
     assert prof.short_kernel_name("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD"

@@ -1,4 +1,5 @@
-"""RMSNorm + residual add, rotary embedding and SiLU-and-mul kernels vs their torch references.
+"""RMSNorm + residual add, rotary embedding (alone and fused with the KV-cache write) and
+SiLU-and-mul kernels vs their torch references.
 
 The references are checked against flexserve's eager layers (RMSNorm, RotaryEmbedding, LlamaMLP's
 silu-mul) bitwise, so "kernel matches reference" means "kernel matches the eager model path".
@@ -29,10 +30,13 @@ _KERNEL_MODULES = (
     "flexserve_kernels.rmsnorm",
     "flexserve_kernels.rotary",
     "flexserve_kernels.activation",
+    "flexserve_kernels.kv_cache_write",
+    "flexserve_kernels.rope_kv_write",
 )
 
 
-rms_mod, rope_mod, act_mod = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
+rms_mod, rope_mod, act_mod, kv_mod, rope_kv_mod = import_kernels(
+    _KERNEL_MODULES, interpret=not torch.cuda.is_available())
 
 from flexserve.layers.rmsnorm import RMSNorm  # noqa: E402
 from flexserve.layers.rotary import RotaryEmbedding, compute_inv_freq, get_rope_parameters  # noqa: E402
@@ -202,6 +206,66 @@ def test_rotary_reference_is_the_layer(dtype):
     expected_q, expected_k = rope(positions, q, k)
     rope_mod.rotary_embedding_ref(positions, q, k, rope.cos_sin_cache, 64)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+# ------------------------------------------------------------------ rotary + KV-cache write
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(5, 1, 64), (12, 4, 128), (8, 8, 80)])
+def test_rope_kv_write_equals_rotary_then_cache_write(num_heads, num_kv_heads, head_dim, dtype):
+    num_tokens, block_size, num_blocks = 13, 4, 9
+    rope = make_rope(head_dim, 600)
+    g = torch.Generator().manual_seed(num_heads)
+    positions = torch.randint(0, 600, (num_tokens,), generator=g).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[2, 7]] = -1  # CUDA-graph padding: rotated, not written
+    slots = slots.to(DEVICE)
+    results = []
+    for fused in (False, True):
+        qkv = randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=5)
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                             num_kv_heads * head_dim], dim=1)
+        cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=6)
+        if fused:
+            got_q, got_k = rope_kv_mod.rope_kv_write(positions, q, k, v, rope.cos_sin_cache,
+                                                     cache, slots, head_dim)
+            assert got_q is q and got_k is k
+        else:
+            rope_mod.rotary_embedding_ref(positions, q, k, rope.cos_sin_cache, head_dim)
+            heads = (num_tokens, num_kv_heads, head_dim)
+            kv_mod.kv_cache_write_ref(k.view(heads), v.view(heads), cache, slots)
+        results.append((qkv, cache))
+    (expected_qkv, expected_cache), (qkv, cache) = results
+    if BITWISE[dtype]:
+        assert torch.equal(qkv, expected_qkv) and torch.equal(cache, expected_cache)
+    else:
+        assert_close(qkv, expected_qkv)
+        assert_close(cache, expected_cache)
+
+
+def test_rope_kv_write_takes_3d_views_and_rejects_bad_inputs():
+    rope = make_rope(64, 100)
+    q, k, v = randn(3, 4, 64, seed=1), randn(3, 2, 64, seed=2), randn(3, 2, 64, seed=3)
+    cache = torch.zeros(2, 2, 4, 2, 64, device=DEVICE)
+    slots = torch.tensor([0, 5, 3], device=DEVICE)
+    positions = torch.tensor([1, 2, 3], device=DEVICE)
+    eq, ek = q.clone(), k.clone()
+    rope_mod.rotary_embedding_ref(positions, eq, ek, rope.cos_sin_cache, 64)
+    rope_kv_mod.rope_kv_write(positions, q, k, v, rope.cos_sin_cache, cache, slots, 64)
+    assert_close(q, eq)
+    assert_close(k, ek)
+    assert_close(cache[0, 1, 1], ek[1])  # slot 5 = block 1, offset 1
+    assert_close(cache[1, 0, 3], v[2])
+    with pytest.raises(ValueError, match="head_dim"):
+        rope_kv_mod.rope_kv_write(positions, q, k, v, rope.cos_sin_cache, cache, slots, 0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_kv_mod.rope_kv_write(positions, q, k, v, rope.cos_sin_cache, cache, slots[:2], 64)
+    with pytest.raises(ValueError, match="kv_cache"):
+        rope_kv_mod.rope_kv_write(positions, q, k, v, rope.cos_sin_cache, cache[:1], slots, 64)
+    empty = torch.empty(0, 4, 64, device=DEVICE)
+    rope_kv_mod.rope_kv_write(positions[:0], empty, empty[:, :2], empty[:, :2],
+                              rope.cos_sin_cache, cache, slots[:0], 64)  # no launch
 
 
 # ------------------------------------------------------------------------------- SiLU-and-mul

@@ -25,6 +25,7 @@ from flexserve.layers.forward_context import set_forward_context
 from flexserve.model.loader import load_model
 from flexserve.model.registry import resolve_model
 from flexserve.peft.bypass import TARGET_MODULES
+from flexserve.peft.activation_budget import plan_layers
 from flexserve.peft.graph_pruning import plan_pruning
 from flexserve.peft.layer_graph import build_layer_graph
 from flexserve.peft.peft_io import load_peft_adapter
@@ -69,6 +70,15 @@ def make_plan(graph, kind: str, num_layers: int = 0, act_bytes: int = 4):
     if kind == "per-layer":
         return [plan_pruning(graph, act_bytes, input_grad=False)] + [
             plan_pruning(graph, act_bytes)] * (num_layers - 1)
+    if kind == "budget":  # an activation budget's mix: layer 1 with chains, 0 and 2 without
+        free = plan_layers(graph, act_bytes, num_layers, 0.9, max_num_tokens=64)
+        lean = plan_pruning(graph, act_bytes, 0.9, chains=True)
+        saving = free.plans[1].bytes_per_token - lean.bytes_per_token
+        layers = plan_layers(graph, act_bytes, num_layers, 0.9, max_num_tokens=64,
+                             budget_bytes=(free.bytes_per_token - saving) * 64)
+        assert layers.lean_layers == (1,) and layers.plans[1] == lean != layers.plans[2]
+        assert not layers.plans[0].input_grad  # layer 0 keeps less without its input gradient
+        return list(layers.plans)
     if kind == "chains":  # beyond algorithm 1: recomputed through h_attn, h_mlp (gate/up/m)
         return [plan_pruning(graph, act_bytes, 0.9, input_grad=False, chains=True)] + [
             plan_pruning(graph, act_bytes, 0.9, chains=True)] * (num_layers - 1)
@@ -350,6 +360,8 @@ TINY_CASES = {
                                          target_modules=["down_proj"]), "per-layer", [20, 37, 52]),
     "down-remat-chains": (dict(r=8, lora_alpha=16, target_modules=["down_proj"]), "chains",
                           [19, 40]),
+    "down-up-budget-mixed-plans": (dict(r=8, lora_alpha=16, target_modules=["up_proj", "down_proj"]),
+                                   "budget", [26, 43]),
     "all-dropout-bitmask": (dict(r=8, lora_alpha=16, lora_dropout=0.3, target_modules=ALL),
                             "pruned", [31, 66]),
     "all-everything-stored": (dict(r=16, lora_alpha=8, target_modules=ALL), "everything",

@@ -314,6 +314,16 @@ def workloads(draw):
     return config, specs
 
 
+def arrive_and_abort(scheduler: Scheduler, specs, requests: dict, step_index: int) -> None:
+    """A workload's requests that arrive or are aborted at `step_index`."""
+    for request_id, prompt, max_tokens, params, arrival, abort_at in specs:
+        if arrival == step_index:
+            requests[request_id] = make_request(request_id, prompt, max_tokens, **params)
+            scheduler.add_request(requests[request_id])
+        if abort_at == step_index and request_id in requests:
+            scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+
+
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_with_exact_outputs_and_no_leaks(workload):
@@ -321,12 +331,7 @@ def test_random_workloads_finish_with_exact_outputs_and_no_leaks(workload):
     scheduler, runner = make_scheduler(**config), FakeRunner(config["block_size"])
     requests, finished_ids = {}, []
     for step_index in range(5000):
-        for request_id, prompt, max_tokens, params, arrival, abort_at in specs:
-            if arrival == step_index:
-                requests[request_id] = make_request(request_id, prompt, max_tokens, **params)
-                scheduler.add_request(requests[request_id])
-            if abort_at == step_index and request_id in requests:
-                scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        arrive_and_abort(scheduler, specs, requests, step_index)
         if step_index > 20 and not scheduler.has_unfinished_requests():
             break
         plan, _ = step(scheduler, runner)

@@ -1,8 +1,17 @@
-"""`EngineCore.step()`: schedule -> execute -> update, the iteration every feature rides on."""
+"""`EngineCore.step()`: schedule -> execute -> update, the iteration every feature rides on.
+
+With asynchronous scheduling (vLLM's `--async-scheduling`), a decode step N+1 is scheduled and
+launched before step N's sampled tokens are waited for, so the host's per-step work (the next
+step's scheduling and input preparation, then step N's update and output processing) overlaps
+the device's forward of step N+1 instead of leaving the device idle between steps. Only plans
+`Scheduler.schedule_continuation` accepts are launched ahead; the results are those of
+synchronous stepping (tokens of requests that end are discarded with their extra row).
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,6 +25,15 @@ class Executor(Protocol):
     """What the core needs from the worker side (the model runner satisfies it)."""
 
     def execute(self, plan: BatchPlan) -> StepResult: ...
+
+
+class AsyncExecutor(Executor, Protocol):
+    """An executor that can launch a plan and be waited on later (the model runner)."""
+
+    def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
+        """Launch the plan; the returned call waits for it and gives its result. A plan with
+        `continues_previous` feeds the tokens sampled by the plan launched just before it."""
+        ...
 
 
 class LoRAExecutor(Executor, Protocol):
@@ -58,21 +76,54 @@ class StepStats:
 class EngineCore:
     """Drives one scheduler and one executor; knows nothing about text or HTTP."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # Launching ahead needs an executor that can be waited on later.
+        self.async_scheduling = async_scheduling and hasattr(executor, "execute_async")
+        # The plan launched ahead, the call that waits for it, and when the step before it
+        # finished (its iteration time is measured from there).
+        self._pending: tuple[BatchPlan, Callable[[], StepResult]] | None = None
+        self._last_done = 0.0
+
+    @property
+    def has_pending_step(self) -> bool:
+        """A plan was launched ahead and its result has not been applied yet."""
+        return self._pending is not None
 
     def step(self) -> tuple[list[Request], StepResult | None, StepStats | None]:
         """One iteration. Returns the requests that advanced or finished, the raw result, stats."""
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return [], None, None
-        result = self.executor.execute(plan)
+        if self._pending is not None:
+            plan, wait = self._pending
+            self._pending = None
+            began = self._last_done  # launched during the previous step: timed from its end
+        else:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return [], None, None
+            began = start
+            if self.async_scheduling:
+                wait = self.executor.execute_async(plan)
+            else:
+                result = self.executor.execute(plan)
+                wait = lambda: result  # noqa: E731
+        if self.async_scheduling:
+            following = self.scheduler.schedule_continuation(plan)
+            if following is not None:
+                self._pending = (following, self.executor.execute_async(following))
+        result = wait()
+        self._last_done = done = time.perf_counter()
         # Schedule + execute is what the next token waits for; the latency model predicts it.
-        self.scheduler.observe_iteration(plan, time.perf_counter() - start)
+        self.scheduler.observe_iteration(plan, done - began)
         failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
+        if self._pending is not None and not any(
+                self.scheduler.is_running(row.request_id) for row in self._pending[0].sequences):
+            # Every row launched ahead belongs to a request that just ended: nothing will read
+            # its tokens, and the device runs it before any later step that reuses its blocks.
+            self._pending = None
         hybrid = self.scheduler.hybrid
         stats = StepStats(
             num_batched_tokens=plan.num_batched_tokens,

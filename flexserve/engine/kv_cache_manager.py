@@ -174,6 +174,24 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_total_tokens)
         return new_block_ids
 
+    def allocate_lookahead(self, request: Request, num_tokens: int) -> bool:
+        """Grow a running request's table by `num_tokens` positions past its computed tokens,
+        whose token ids the host does not know yet (asynchronous scheduling). Such blocks are
+        not registered in the prefix cache here: a later `allocate_slots` of the request does
+        that once their tokens are known. False, with nothing allocated, when the request holds
+        no table or the free queue is too short."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return False
+        num_fresh = cdiv(request.num_computed_tokens + num_tokens, self.block_size) - len(blocks)
+        if num_fresh > self.num_free_blocks:
+            return False
+        if num_fresh > 0:
+            new_blocks = self.block_pool.get_new_blocks(num_fresh)
+            blocks.extend(new_blocks)
+            self.req_to_block_ids[request.request_id].extend(b.block_id for b in new_blocks)
+        return True
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; freeing a request that holds none is a no-op.
 

@@ -91,7 +91,7 @@ class LLMEngine:
             coserve_config=config.coserve,
             latency_model=OnlineLatencyModel(self._load_latency_profile(config, info)),
         )
-        self.core = EngineCore(self.scheduler, executor)
+        self.core = EngineCore(self.scheduler, executor, config.scheduler.async_scheduling)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request id -> child request ids
@@ -234,7 +234,8 @@ class LLMEngine:
         self._drop_freed_adapters()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests are running or waiting, or a step launched ahead still has to be applied."""
+        return self.scheduler.has_unfinished_requests() or self.core.has_pending_step
 
     # ----------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

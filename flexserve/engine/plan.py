@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.sampling_params import SamplingParams
 
+# The token of a `continues_previous` row, unknown to the host when the plan is built.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -94,11 +97,21 @@ class BatchPlan:
     # spatial sharing: the fine-tuning windows run as their own forward on a second CUDA stream,
     # concurrently with the inference rows, instead of as rows of the same forward
     finetune_concurrent: bool = False
+    # asynchronous scheduling: row i feeds the token sampled for row i of the previous plan,
+    # which is still on the device when this plan is built (its new_token_ids hold
+    # PLACEHOLDER_TOKEN_ID); see `Scheduler.schedule_continuation`
+    continues_previous: bool = False
 
     @property
     def is_empty(self) -> bool:
         return not (self.sequences or self.finetune_windows or self.backward_windows
-                    or self.optimizer_steps)
+                    or self.optimizer_steps or self.finished_finetune_sequences)
+
+    @property
+    def has_finetune_work(self) -> bool:
+        """Fine-tuning state changes in this step (sequences start, run, end, or a job steps)."""
+        return bool(self.finetune_starts or self.finetune_windows or self.backward_windows
+                    or self.optimizer_steps or self.finished_finetune_sequences)
 
 
 @dataclass(slots=True)

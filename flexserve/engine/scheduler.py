@@ -35,7 +35,12 @@ from flexserve.engine.finetune_scheduler import FinetuneScheduler
 from flexserve.engine.hybrid_scheduler import HybridTokenScheduler, StepMode
 from flexserve.engine.latency_model import OnlineLatencyModel
 from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from flexserve.engine.plan import BatchPlan, ScheduledSequence, StepResult
+from flexserve.engine.plan import (
+    PLACEHOLDER_TOKEN_ID,
+    BatchPlan,
+    ScheduledSequence,
+    StepResult,
+)
 from flexserve.engine.request import Request, RequestStatus
 
 
@@ -143,6 +148,11 @@ class Scheduler:
         if ended:
             self.running = [r for r in self.running if r.request_id not in ended]
 
+    def is_running(self, request_id: str) -> bool:
+        """Whether the request is unfinished and admitted (it holds KV blocks)."""
+        request = self.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.RUNNING
+
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
         return self.requests.get(request_id)
@@ -194,6 +204,44 @@ class Scheduler:
         if not plan.is_empty:
             plan.finished_request_ids = self.finished_request_ids
             self.finished_request_ids = []
+        return plan
+
+    def schedule_continuation(self, previous: BatchPlan) -> BatchPlan | None:
+        """The next decode step of `previous`, built before `previous` ran to completion
+        (asynchronous scheduling: the host prepares step N+1 while the device runs step N).
+
+        Every running request is a row of `previous` that samples a token, in order; row i of
+        the new plan feeds the token sampled for row i of `previous` (`continues_previous`).
+        Returns None, and leaves the step to `schedule`, whenever that shortcut could change
+        what is computed: requests are waiting for admission, fine-tuning has work, the KV
+        cache would need a preemption, or a row's sampling reads host state that `update`
+        has not written yet (logprobs, penalties, per-step seeds, min_tokens still masking
+        EOS). A request that finishes at `previous`'s update wastes its row in the new plan;
+        `update` skips it (the request is no longer running), and the K/V the row writes lands
+        in blocks the device reuses only for later steps.
+        """
+        rows = previous.sequences
+        if (not rows or previous.has_finetune_work or self.waiting or self.finetune.has_work() or len(rows) != len(self.running)):
+            return None
+        for row, request in zip(rows, self.running):
+            params = request.sampling_params
+            if (row.request_id != request.request_id or not row.needs_sample
+                    or request.num_computed_tokens != request.num_tokens
+                    or request.num_tokens >= self.max_model_len
+                    or params.logprobs is not None or params.prompt_logprobs is not None
+                    or params.has_penalties or (not params.greedy and request.seed is not None)
+                    or request.num_output_tokens < params.min_tokens):
+                return None
+        kv = self.kv_cache_manager
+        for request in self.running:
+            if not kv.allocate_lookahead(request, 1):
+                return None  # blocks already taken stay with their requests for the next step
+        plan = BatchPlan(continues_previous=True)
+        for request in self.running:
+            self._add_row(plan, request, 1, [PLACEHOLDER_TOKEN_ID])
+        plan.finished_request_ids = self.finished_request_ids
+        self.finished_request_ids = []
+        self.hybrid.finish_step(plan, 0)
         return plan
 
     def _schedule_running(self, plan: BatchPlan, budget: int) -> int:
@@ -357,15 +405,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _add_row(self, plan: BatchPlan, request: Request, num_new_tokens: int) -> None:
+    def _add_row(self, plan: BatchPlan, request: Request, num_new_tokens: int,
+                 placeholders: list[int] | None = None) -> None:
+        """`placeholders`: the row's tokens are not on the host yet (a continuation row, which
+        always samples); otherwise they are the request's next known tokens."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
         plan.sequences.append(ScheduledSequence(
             request_id=request.request_id,
-            new_token_ids=request.all_token_ids[start:end],
+            new_token_ids=request.all_token_ids[start:end] if placeholders is None else placeholders,
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            needs_sample=end == request.num_tokens,
+            needs_sample=placeholders is not None or end == request.num_tokens,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,

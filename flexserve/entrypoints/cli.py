@@ -125,6 +125,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="token budget of one iteration [%(default)s]")
     group.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
                        help="running requests at most [%(default)s]")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=scheduler.async_scheduling,
+                       help="launch the next decode step before the previous one's tokens reach "
+                            "the host, so host work overlaps the device's [on]")
 
     coserve = CoserveConfig()
     group = parser.add_argument_group("co-serving (how fine-tuning shares iterations)")
@@ -171,6 +175,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="graph pruning beyond algorithm 1: also recompute through tensors the "
                             "backward does not read (e.g. the MLP's gate/up from x_mid), within "
                             "--remat-threshold: less activation memory, more backward time")
+    group.add_argument("--finetune-activation-budget", type=float, default=None, metavar="GIB",
+                       help="GiB one fine-tuning sequence's activation store may take (sized "
+                            "for the job's longest sequence): the lowest layers switch to remat "
+                            "chains (at --remat-threshold, else 0.6) until it fits; a job that "
+                            "cannot fit fails [off]")
     group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters (loaded at start-up or at run time)")
@@ -239,12 +248,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            async_scheduling=args.async_scheduling,
         ),
         lora=lora_config_from_args(args),
         finetune=FinetuneConfig(max_finetune_len=args.max_finetune_len,
                                 remat_threshold=args.remat_threshold,
                                 remat_chains=args.remat_chains,
-                                warmup=not args.no_finetune_warmup),
+                                warmup=not args.no_finetune_warmup,
+                                activation_budget_gib=args.finetune_activation_budget),
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,

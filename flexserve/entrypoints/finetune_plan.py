@@ -4,7 +4,9 @@ Only the model's config is read, so shipped architecture names (`llama-3.1-8b`) 
 weights. For the requested bypass networks it prints, per decoder layer, every tensor the backward
 needs and how it is kept (stored, bitmask, KV cache, rematerialized) with its bytes per token, and
 beside the totals what ordinary PyTorch autograd keeps for the same layer (measured on the CPU
-with HF transformers + peft, see `AutogradProbe`) and the reduction.
+with HF transformers + peft, see `AutogradProbe`) and the reduction. With `--max-finetune-len`
+(and `--finetune-activation-budget`), it also prints the plan of every layer a job would use
+(`flexserve.peft.activation_budget.plan_layers`) and one sequence's activation bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flexserve.config import DEFAULT_MODEL
+from flexserve.peft.activation_budget import GIB, LayerPlans, budget_bytes_from_gib, plan_layers
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import (
     DEFAULT_REMAT_THRESHOLD,
@@ -54,12 +57,19 @@ def add_finetune_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank [%(default)s]")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="LoRA dropout; > 0 adds dropout masks [%(default)s]")
-    parser.add_argument("--remat-threshold", type=float, default=DEFAULT_REMAT_THRESHOLD,
+    parser.add_argument("--remat-threshold", type=float, default=None,
                         help="rematerialize a tensor when recomputing it costs less than this "
-                             "fraction of the layer's forward FLOPs [%(default)s]")
+                             f"fraction of the layer's forward FLOPs [{DEFAULT_REMAT_THRESHOLD}; "
+                             "the budget's chained layers: 0.6]")
     parser.add_argument("--remat-chains", action="store_true",
                         help="beyond algorithm 1: also recompute through tensors the backward "
                              "does not read (e.g. gate/up from x_mid), within the threshold")
+    parser.add_argument("--max-finetune-len", type=int, default=None,
+                        help="tokens of the longest sequence: also print every layer's plan and "
+                             "one sequence's activation bytes")
+    parser.add_argument("--finetune-activation-budget", type=float, default=None, metavar="GIB",
+                        help="as for serve: GiB a --max-finetune-len sequence's activations may "
+                             "take; the lowest layers get remat chains until it fits")
     parser.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 "
                         "[%(default)s]")
     parser.add_argument("--num-layers-shown", type=int, default=3,
@@ -99,9 +109,19 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--dropout must be in [0, 1), got {args.dropout}")
     if args.dropout > 0 and args.bypass != "lora":
         raise ValueError("--dropout applies to LoRA only; (IA)3 has no dropout")
-    if not 0.0 <= args.remat_threshold < float("inf"):
+    if args.remat_threshold is not None and not 0.0 <= args.remat_threshold < float("inf"):
         raise ValueError(f"--remat-threshold must be a finite number >= 0, got "
                          f"{args.remat_threshold}")
+    if args.max_finetune_len is not None and args.max_finetune_len < 1:
+        raise ValueError(f"--max-finetune-len must be >= 1, got {args.max_finetune_len}")
+    budget = args.finetune_activation_budget
+    if budget is not None:
+        if not 0.0 < budget < float("inf"):
+            raise ValueError(f"--finetune-activation-budget must be a positive number of GiB, "
+                             f"got {budget}")
+        if args.max_finetune_len is None:
+            raise ValueError("--finetune-activation-budget needs --max-finetune-len: the budget "
+                             "holds one sequence of that many tokens")
     if args.num_layers_shown < 1:
         raise ValueError(f"--num-layers-shown must be >= 1, got {args.num_layers_shown}")
 
@@ -119,7 +139,13 @@ def finetune_plan(args: argparse.Namespace) -> int:
     num_layers = hf_config.num_hidden_layers
     # Layer 0's input gradient is pruned unless asked for; every layer above needs its own.
     grads = {args.layer0_input_grad} | ({True} if num_layers > 1 else set())
-    plans = {grad: plan_pruning(graph, dtype_bytes, args.remat_threshold, input_grad=grad,
+    threshold = DEFAULT_REMAT_THRESHOLD if args.remat_threshold is None else args.remat_threshold
+    # Checked before the autograd measurement: an impossible budget fails at once.
+    layers = None if args.max_finetune_len is None else plan_layers(
+        graph, dtype_bytes, num_layers, args.remat_threshold, args.remat_chains,
+        budget_bytes_from_gib(args.finetune_activation_budget), args.max_finetune_len,
+        layer0_input_grad=args.layer0_input_grad)
+    plans = {grad: plan_pruning(graph, dtype_bytes, threshold, input_grad=grad,
                                 chains=args.remat_chains)
              for grad in sorted(grads, reverse=True)}
     # Measured autograd bytes per input_grad: (backbone frozen, backbone trainable).
@@ -146,6 +172,8 @@ def finetune_plan(args: argparse.Namespace) -> int:
         _print_layer("layer 0 (nothing below trains: its input gradient is pruned)",
                      plans[False], autograd[False])
     _print_model(plans, autograd, num_layers, args.layer0_input_grad, args.num_layers_shown)
+    if layers is not None:
+        print_layer_plans(layers)
     return 0
 
 
@@ -200,6 +228,36 @@ def _print_model(plans: dict[bool, PruningPlan], autograd: dict[bool, tuple[int,
     print(f"{'model':<8}{ours:>14,}{_count(theirs):>18}{_reduction(ours, theirs):>11}"
           f"   ({_size(ours)} per token over {num_layers} decoder layers"
           + ("" if theirs is None else f" vs {_size(theirs)}") + ")")
+
+
+def print_layer_plans(layers: LayerPlans) -> None:
+    """Every layer's plan (consecutive layers with one plan on one row) and the bytes of one
+    `max_num_tokens`-token sequence, against the budget if there is one."""
+    tokens = layers.max_num_tokens
+    if layers.budget_bytes is None:
+        print(f"\nevery layer's plan, one {tokens}-token sequence (no activation budget)")
+    else:
+        print(f"\nactivation budget {layers.budget_bytes / GIB:g} GiB for one {tokens}-token "
+              f"sequence: {len(layers.lean_layers)} of {len(layers.plans)} layers with remat "
+              f"chains at threshold {layers.lean_threshold:g} (the lowest ones)")
+    print(f"{'layers':<10}{'plan':<50}{'B/token':>10}{'GiB':>9}  stores")
+    first = 0
+    for layer in range(1, len(layers.plans) + 1):
+        plan = layers.plans[first]
+        if layer < len(layers.plans) and layers.plans[layer] is plan:
+            continue
+        span = f"{first}" if layer - 1 == first else f"{first}-{layer - 1}"
+        kind = (f"{'chains' if plan.chains else 'algorithm 1'}, threshold "
+                f"{plan.remat_threshold:g}{'' if plan.input_grad else ', no input gradient'}")
+        num_bytes = plan.bytes_per_token * (layer - first)
+        print(f"{span:<10}{kind:<50}{plan.bytes_per_token:>10,}{num_bytes * tokens / GIB:>9.3f}"
+              f"  {', '.join(sorted(plan.stored)) or '-'}")
+        first = layer
+    total = layers.num_bytes
+    print(f"{'total':<10}{'':<50}{layers.bytes_per_token:>10,}{total / GIB:>9.3f}  "
+          f"({total / 1e9:.3f} GB for {tokens} tokens"
+          + ("" if layers.budget_bytes is None else
+             f", budget {layers.budget_bytes / GIB:g} GiB") + ")")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from torch import nn
 
 from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import get_forward_context
+from flexserve.layers.rotary import RopeInputs
 from flexserve_kernels.dispatch import use_triton
 
 
@@ -276,8 +277,11 @@ class Attention(nn.Module):
         # must not move with model.to() or appear in state_dict().
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, H*D], key/value [T, KV*D] -> [T, H*D]; metadata from the forward context."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """query [T, H*D], key/value [T, KV*D] -> [T, H*D]; metadata from the forward context.
+        With `rope`, q and k are rotated here first (fused with the KV-cache write on the Triton
+        path); without it they arrive rotated."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache is bound to this layer; call model.bind_kv_caches()")
         metadata: AttentionMetadata = get_forward_context().attn_metadata
@@ -287,16 +291,27 @@ class Attention(nn.Module):
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         if use_triton(q.device):
-            from flexserve_kernels.kv_cache_write import kv_cache_write
             from flexserve_kernels.paged_attention import paged_attention
 
-            kv_cache_write(k, v, self.kv_cache, metadata.slot_mapping)
+            if rope is not None and rope.cos is None:
+                from flexserve_kernels.rope_kv_write import rope_kv_write
+
+                rope_kv_write(rope.positions, q, k, v, rope.cos_sin_cache, self.kv_cache,
+                              metadata.slot_mapping, self.head_dim)
+            else:
+                from flexserve_kernels.kv_cache_write import kv_cache_write
+
+                if rope is not None:
+                    q, k = rope.apply(q, k)
+                kv_cache_write(k, v, self.kv_cache, metadata.slot_mapping)
             out = paged_attention(
                 q, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens,
                 metadata.block_tables, metadata.max_query_len, self.scale,
                 num_splits=metadata.decode_num_splits,
             )
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if rope is not None:
+            q, k = (t.view(num_tokens, -1, self.head_dim) for t in rope.apply(q, k))
         write_kv_cache(k, v, self.kv_cache, metadata.slot_mapping)
         groups = metadata.row_groups
         if len(groups) == 1 and groups[0].token_index is None:

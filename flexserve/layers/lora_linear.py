@@ -69,18 +69,26 @@ class LoRALinear(nn.Module):
         meta = context.lora_meta
         if meta is None or not meta.has_lora:
             return y
-        capture = context.finetune
-        if capture is None:
+        if context.finetune is None:
             add_lora((self,), x, (y,), meta)
             return y
+        self.add_captured_bypass(x, y, meta, context.finetune)
+        return y
+
+    def add_captured_bypass(self, x: torch.Tensor, y: torch.Tensor, meta, capture) -> None:
+        """Add the bypass of x into y, this linear's base output [T, out] (a column slice of a
+        merged GEMM's output is fine), in place, handing `{target}_base`, `{target}_xd` and
+        `{target}_s` of the fine-tuning rows to `capture` (a `FinetuneCapture`) on the way."""
+        if meta is None or not meta.has_lora:
+            return
         if not self.has_weights_for(meta):
             capture.take(self.layer_idx, f"{self.target}_base", y)
-            return y
+            return
         x = capture.lora_input(self, x)  # dropout on the fine-tuning rows
         capture.take(self.layer_idx, f"{self.target}_base", y)  # before the expand adds into y
         s = lora_shrink(x, self.lora_a, meta)
         capture.take_lora_shrink(self, s)
-        return lora_expand(s, self.lora_b, meta, y, self.scaling)
+        lora_expand(s, self.lora_b, meta, y, self.scaling)
 
     @torch.no_grad()
     def set_slot(

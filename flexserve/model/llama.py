@@ -22,7 +22,7 @@ with the same arithmetic as HF's separate adds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from torch import nn
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
-from flexserve.layers.lora_linear import add_lora, folds_batch
+from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
 from flexserve_kernels.lora_folded import FoldedLoRA
@@ -201,13 +201,12 @@ class LlamaAttention(nn.Module):
         self.o = MergedProjection()  # o_proj alone; used once LoRA shrinks are folded into it
 
     def forward(self, hidden: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        if self.qkv.weight is not None:
+        if self.qkv.weight is not None:  # the Triton path: rope is fused with the KV write
             q, k, v = self.qkv(hidden, (self.q_proj, self.k_proj, self.v_proj))
-            q, k = rope.apply(q, k)
+            hidden = self.attn(q, k, v, rope)
         else:
             q, k = rope.apply(self.q_proj(hidden), self.k_proj(hidden))
-            v = self.v_proj(hidden)
-        hidden = self.attn(q, k, v)
+            hidden = self.attn(q, k, self.v_proj(hidden))
         if self.o.weight is not None:
             return self.o(hidden, (self.o_proj,))[0]
         return self.o_proj(hidden)
@@ -263,12 +262,20 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    # A step with fine-tuning windows runs under no_grad, not inference_mode, since its activation
+    # stores outlive it; but what this layer makes leaves it only as copies (into the stores and
+    # the KV cache, normal tensors), and outside it only through out-of-place ops, so its ops can
+    # skip autograd's bookkeeping: 1.2-1.5 ms of a 64-token window step of a 32-layer down_proj
+    # job, 2-5 ms with all 7 targets (CPU, benchmarks/finetune_host_overhead.py).
+    @torch.inference_mode()
     def forward_captured(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs, capture: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` that hands every named tensor of `flexserve.peft.layer_graph` to `capture`
-        (a `FinetuneCapture`, which copies out the fine-tuning rows it stores) as it is made."""
+        (a `FinetuneCapture`, which copies out the fine-tuning rows it stores) as it is made.
+        Its outputs are inference tensors: read them, never update them in place."""
         i, attn, mlp = self.layer_idx, self.self_attn, self.mlp
+        meta = get_forward_context().lora_meta
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -276,29 +283,48 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         capture.take(i, "x", residual)
         capture.take(i, "h_attn", hidden)
-        q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
-        for name, tensor in (("q_out", q), ("k_out", k), ("v_out", v)):
-            capture.take(i, name, tensor)
+        q, k, v = _project_captured(attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj), hidden,
+                                    meta, capture)
+        capture.take(i, "q_out", q)
+        capture.take(i, "k_out", k)
+        capture.take(i, "v_out", v)
         q, k = rope.apply(q, k)  # in place on the Triton path: q_out and k_out are copied above
         capture.take(i, "q", q)
         capture.take(i, "k", k)
         hidden = attn.attn(q, k, v)
         capture.take(i, "attn", hidden)
-        hidden = attn.o_proj(hidden)
+        hidden = _project_captured(attn.o, (attn.o_proj,), hidden, meta, capture)[0]
         capture.take(i, "o_out", hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         capture.take(i, "x_mid", residual)
         capture.take(i, "h_mlp", hidden)
-        gate, up = mlp.gate_proj(hidden), mlp.up_proj(hidden)
+        gate, up = _project_captured(mlp.gate_up, (mlp.gate_proj, mlp.up_proj), hidden, meta,
+                                     capture)
         capture.take(i, "gate_out", gate)
         capture.take(i, "up_out", up)
         hidden = silu_and_mul(gate, up)
         capture.take(i, "m", hidden)
-        hidden = mlp.down_proj(hidden)
+        hidden = _project_captured(mlp.down, (mlp.down_proj,), hidden, meta, capture)[0]
         capture.take(i, "down_out", hidden)
         if capture.wants(i, "x_next"):  # the next layer's x; the model fuses this add into its norm
             capture.take(i, "x_next", residual + hidden)
         return hidden, residual
+
+
+def _project_captured(group: MergedProjection, linears: tuple[nn.Module, ...], x: torch.Tensor,
+                      meta: Any, capture: Any) -> Sequence[torch.Tensor]:
+    """The projections' outputs under a fine-tuning capture, each with its LoRA bypass added
+    and its tensors handed to `capture` (`LoRALinear.add_captured_bypass`): on the merged (GPU)
+    path column slices of one GEMM over the group's weight rows, as in `forward`; otherwise one
+    `F.linear` per projection, the arithmetic of calling them, without a module call each."""
+    if group.weight is not None:
+        outputs = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
+    else:
+        outputs = [F.linear(x, m.weight, m.bias) for m in linears]
+    if isinstance(linears[0], LoRALinear):
+        for module, y in zip(linears, outputs):
+            module.add_captured_bypass(x, y, meta, capture)
+    return outputs
 
 
 class LlamaModel(nn.Module):

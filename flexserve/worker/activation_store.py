@@ -126,20 +126,24 @@ class ActivationStore:
         self.bitmask_names: list[frozenset[str]] = []  # per layer: kept as packed bits
         self._row_bytes: dict[tuple[int, str], int] = {}
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        # A plan shared by many layers (the usual case) is checked and laid out once.
+        layouts: dict[int, tuple[frozenset[str], frozenset[str], list[tuple]]] = {}
         for layer, layer_plan in enumerate(plans):
-            full, bits = _check_plan_names(graph, layer_plan, graph_kv)
+            layout = layouts.get(id(layer_plan))
+            if layout is None:
+                full, bits = _check_plan_names(graph, layer_plan, graph_kv)
+                layout = layouts[id(layer_plan)] = (full, bits, _buffer_layout(graph, full, bits,
+                                                                               dtype))
+            full, bits, buffers = layout
             self.stored_names.append(full)
             self.bitmask_names.append(bits)
-            for name in sorted(full | bits):
-                width = graph.tensors[name].width
-                if name in bits:
-                    shape, elem = (max_len, -(-width // 8)), torch.uint8
-                else:
-                    shape, elem = (max_len, width), _element_dtype(graph.tensors[name].dtype, dtype)
-                buf = torch.empty(shape, dtype=elem, device=self.device)
-                self._buffers[(layer, name)] = buf
-                self._row_bytes[(layer, name)] = buf[0].nbytes
+            for name, width, elem in buffers:
+                key = (layer, name)
+                self._buffers[key] = torch.empty((max_len, width), dtype=elem, device=self.device)
+                self._row_bytes[key] = width * elem.itemsize
         self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._buffers, 0)
+        # kept up to date by free_layer: the runner sums it over every store after each step
+        self._num_bytes = sum(buf.nbytes for buf in self._buffers.values())
         self.num_forward_tokens = 0  # positions [0, this) have been through the forward
 
     def layer_bytes_per_token(self, layer: int) -> int:
@@ -149,7 +153,7 @@ class ActivationStore:
     @property
     def num_bytes(self) -> int:
         """Bytes of the buffers still allocated."""
-        return sum(buf.nbytes for buf in self._buffers.values())
+        return self._num_bytes
 
     @property
     def num_bytes_stored(self) -> int:
@@ -175,8 +179,10 @@ class ActivationStore:
         key = (layer, name)
         buf = self._buffers[key]
         n = rows.shape[0]
-        buf[start:start + n].copy_(rows[:, :buf.shape[1]])
-        self._num_written[key] = max(self._num_written[key], start + n)
+        width = buf.shape[1]
+        buf[start:start + n].copy_(rows if rows.shape[1] == width else rows[:, :width])
+        if start + n > self._num_written[key]:
+            self._num_written[key] = start + n
 
     def write_mask(self, layer: int, name: str, start: int, keep: torch.Tensor) -> None:
         """Pack a bool [n, width] mask into the bitmask of `name` at [start, start + n)."""
@@ -201,7 +207,7 @@ class ActivationStore:
     def free_layer(self, layer: int) -> None:
         """Release one layer's buffers (its backward is done)."""
         for key in [key for key in self._buffers if key[0] == layer]:
-            del self._buffers[key]
+            self._num_bytes -= self._buffers.pop(key).nbytes
             del self._num_written[key]
 
     def _buffer_rows(self, layer: int, name: str, end: int) -> torch.Tensor:
@@ -214,6 +220,19 @@ class ActivationStore:
                 f"{self._num_written[key]} were captured (forward windows without the capture, "
                 "or fine-tuning rows without their LoRA slot?)")
         return self._buffers[key]
+
+
+def _buffer_layout(graph: LayerGraph, full: frozenset[str], bits: frozenset[str],
+                   dtype: torch.dtype) -> list[tuple[str, int, torch.dtype]]:
+    """(name, row width, element dtype) of one layer's buffers; bitmasks are packed uint8 rows."""
+    layout = []
+    for name in sorted(full | bits):
+        spec = graph.tensors[name]
+        if name in bits:
+            layout.append((name, -(-spec.width // 8), torch.uint8))
+        else:
+            layout.append((name, spec.width, _element_dtype(spec.dtype, dtype)))
+    return layout
 
 
 def _check_plan_names(
@@ -261,11 +280,18 @@ class FinetuneCapture:
     Register every fine-tuning window with `add_window` before the forward; afterwards
     `final_stream(i)` is window i's output of the last decoder layer (before the final norm),
     where `window_loss` starts.
+
+    `add_window` files the window under every (layer, name) its store keeps in full, so each of
+    the ~30 `take` calls a layer makes is one dict lookup, and names no window keeps cost nothing
+    more (a 32-layer step with one window makes ~1000 of them).
     """
 
     def __init__(self) -> None:
         self.windows: list[CaptureWindow] = []
         self._final: torch.Tensor | None = None
+        # (layer, name) -> the windows whose store keeps that tensor in full, in window order
+        self._keepers: dict[tuple[int, str], list[CaptureWindow]] = {}
+        self._dropout_targets: frozenset[str] = frozenset()  # targets some window's job drops out
 
     def add_window(
         self, store: ActivationStore, flat_start: int, start: int, num_tokens: int, lora_slot: int
@@ -281,22 +307,29 @@ class FinetuneCapture:
                 raise ValueError(f"flat rows [{flat_start}, {flat_start + num_tokens}) overlap "
                                  "another fine-tuning window")
         store.begin_window(start, num_tokens)
-        self.windows.append(CaptureWindow(store, flat_start, start, num_tokens, lora_slot))
+        window = CaptureWindow(store, flat_start, start, num_tokens, lora_slot)
+        self.windows.append(window)
+        keepers = self._keepers
+        for layer, names in enumerate(store.stored_names):
+            for name in names:
+                keepers.setdefault((layer, name), []).append(window)
+        self._dropout_targets |= store.dropout_targets
         return len(self.windows) - 1
 
     def wants(self, layer: int, name: str) -> bool:
         """Whether some window's store keeps `name` in full (to skip computing it otherwise)."""
-        return any(w.store.keeps(layer, name) for w in self.windows)
+        return (layer, name) in self._keepers
 
     def take(self, layer: int, name: str, tensor: torch.Tensor) -> None:
         """`tensor` [T, width] of the flat batch: store the window rows where the plan keeps it."""
-        for w in self.windows:
-            if w.store.keeps(layer, name):
-                w.store.write(layer, name, w.start, tensor[w.rows])
+        for w in self._keepers.get((layer, name), ()):
+            w.store.write(layer, name, w.start, tensor[w.flat_start:w.flat_start + w.num_tokens])
 
     def lora_input(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """The shrink input of a `LoRALinear`: x, with LoRA dropout applied to the rows of
         windows whose job has dropout on this target (their masks go to the stores)."""
+        if module.target not in self._dropout_targets:
+            return x
         out = x
         for w in self.windows:
             if module.target not in w.store.dropout_targets:
@@ -318,16 +351,14 @@ class FinetuneCapture:
     def take_lora_shrink(self, module: Any, s: torch.Tensor) -> None:
         """A `LoRALinear`'s shrink output s [T, max_rank] (fp32): `{target}_s`, and
         `{target}_delta` where a plan keeps it (recomputed for the window rows only)."""
-        layer, target = module.layer_idx, module.target
-        for w in self.windows:
-            store = w.store
-            if store.keeps(layer, f"{target}_s"):
-                store.write(layer, f"{target}_s", w.start, s[w.rows])
-            if store.keeps(layer, f"{target}_delta"):
-                rank = store.graph.tensors[f"{target}_s"].width
-                b = module.lora_b[w.lora_slot, :, :rank].float()
-                delta = (s[w.rows, :rank].float() @ b.T) * module.scaling[w.lora_slot]
-                store.write(layer, f"{target}_delta", w.start, delta)
+        layer, s_name, delta_name = module.layer_idx, f"{module.target}_s", f"{module.target}_delta"
+        for w in self._keepers.get((layer, s_name), ()):
+            w.store.write(layer, s_name, w.start, s[w.flat_start:w.flat_start + w.num_tokens])
+        for w in self._keepers.get((layer, delta_name), ()):
+            rank = w.store.graph.tensors[s_name].width
+            b = module.lora_b[w.lora_slot, :, :rank].float()
+            delta = (s[w.rows, :rank].float() @ b.T) * module.scaling[w.lora_slot]
+            w.store.write(layer, delta_name, w.start, delta)
 
     def take_final(self, stream: torch.Tensor) -> None:
         """The last layer's output stream [T, hidden] of the whole flat batch."""

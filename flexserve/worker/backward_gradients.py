@@ -55,6 +55,11 @@ class WindowGradients:
         """Record whether the value now held for `name` is a buffer that only it uses."""
         (self._owned.add if owned else self._owned.discard)(name)
 
+    def drop(self, name: str) -> None:
+        """Forget dL/d`name` (its producer's backward has read it: nothing else will)."""
+        self.values.pop(name, None)
+        self._owned.discard(name)
+
     def give(self, name: str, grad: torch.Tensor, fresh: bool = False) -> None:
         """Add `grad` to dL/d`name` (if needed); `fresh`: grad is a new tensor nothing else
         references, so the sum may reuse it."""

@@ -9,11 +9,16 @@ the caller picks: fp32, or a frozen projection's dtype when that projection's dX
 output's one reader (the rounding its cast would do anyway). The fused RMSNorm backward, summed
 with the residual add's gradient, is called by `SequenceBackward` directly: where it writes
 depends on the window's gradient bookkeeping (`backward_gradients`).
+
+`window_attention` is the SDPA call whose autograd gives the attention backward: queries of the
+window [end - n, end) over keys [0, end), with grouped K/V (GQA) passed as they are.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from flexserve.layers.rotary import rotate
 
@@ -71,3 +76,40 @@ def fused_silu_mul_backward(
 
     outs = [torch.empty(grad.shape, dtype=dtype, device=grad.device) for dtype in dtypes]
     return silu_mul_backward_fused(grad, gate, up, *outs)
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a backward window, out [1, H, n, D]: q [1, H, n, D] holds positions
+    [end - n, end), k and v [1, KV, end, D] positions [0, end), query head h reads KV head
+    h // (H / KV). Run under autograd, its backward gives dK, dV already summed per KV head.
+
+    The mask is `causal_lower_right(n, end)` (query i sees keys up to end - n + i) and K/V keep
+    their KV heads (`enable_gqa`), so on CUDA the call is one fused kernel with no K/V copy
+    (torch 2.11-2.13): `CausalBias` runs SDPA with `is_causal=True` when n == end (flash or
+    cuDNN, both take grouped K/V) and otherwise, when `can_use_flash_attention` accepts the
+    inputs with enable_gqa, the flash kernel itself (`_scaled_dot_product_flash_attention`,
+    whose causal mask is lower-right aligned and whose backward sums dK, dV over each group).
+    Its non-flash fallbacks are not GQA-safe, so K/V are expanded where flash would not run
+    (fp32 on CUDA: the memory-efficient kernel), and on the CPU (the exactness reference, not
+    a fast path: SDPA's math path would expand them anyway, and expanding here keeps the CPU's
+    bf16 roundings those of the torch and fused backward paths alike)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads and not _grouped_kv_fused(q, k, v):
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
+        enable_gqa=k.shape[1] != heads)
+
+
+def _grouped_kv_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA with a lower-right `CausalBias` gets K/V with fewer heads than q: only on
+    CUDA where the flash kernel takes them (`CausalBias` calls the memory-efficient kernel
+    directly otherwise, which expects equal heads)."""
+    if q.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))

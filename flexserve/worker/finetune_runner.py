@@ -33,7 +33,8 @@ from flexserve.finetune.checkpoint import (
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.optimizer import AdapterOptimizer
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
-from flexserve.peft.graph_pruning import DEFAULT_REMAT_THRESHOLD, PruningPlan, plan_pruning
+from flexserve.peft.activation_budget import LayerPlans, budget_bytes_from_gib, plan_layers
+from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
 from flexserve.peft.lora import LoRAAdapter, lora_scaling
 from flexserve.peft.peft_io import save_peft_adapter
@@ -72,7 +73,9 @@ class _Job:
     """One job's adapter, optimizer and plan on the device."""
 
     def __init__(self, spec: FinetuneJobSpec, model: Any, hf_config: Any, device: torch.device,
-                 dtype: torch.dtype, remat_threshold: float | None, remat_chains: bool = False) -> None:
+                 dtype: torch.dtype, remat_threshold: float | None, remat_chains: bool = False,
+                 activation_budget_gib: float | None = None,
+                 max_finetune_len: int | None = None) -> None:
         lora = spec.hyperparameters.lora
         self.spec = spec
         if spec.init_adapter is not None:
@@ -99,10 +102,16 @@ class _Job:
         self.graph: LayerGraph = build_layer_graph(
             hf_config, {t: "lora" for t in targets}, rank=rank, dropout=lora.dropout)
         element = torch.empty((), dtype=dtype).element_size()
-        self.plan: PruningPlan = plan_pruning(
-            self.graph, element,
-            DEFAULT_REMAT_THRESHOLD if remat_threshold is None else remat_threshold,
-            chains=remat_chains)
+        # One plan per layer (layer 0's without its input gradient), mixed with remat chains to
+        # fit the activation budget at the job's longest possible sequence: its data are cut
+        # to max_seq_len and to max_finetune_len.
+        max_num_tokens = spec.hyperparameters.max_seq_len
+        if max_finetune_len is not None:
+            max_num_tokens = min(max_num_tokens, max_finetune_len)
+        self.layer_plans: LayerPlans = plan_layers(
+            self.graph, element, hf_config.num_hidden_layers, remat_threshold, remat_chains,
+            budget_bytes_from_gib(activation_budget_gib), max_num_tokens)
+        self.plan: PruningPlan = self.layer_plans.plans[-1]  # the top layer's (lean if all are)
         params = {}
         for (layer, target), (a, b) in adapter.weights.items():
             params[lora_grad_name(layer, target, "A")] = a.to(device=device, dtype=torch.float32)
@@ -140,7 +149,9 @@ class FinetuneRunner:
 
     def __init__(self, model: Any, hf_config: Any, block_size: int, device: torch.device,
                  dtype: torch.dtype, lora_manager: Any, remat_threshold: float | None = None,
-                 loss_chunk_rows: int = 1024, remat_chains: bool = False) -> None:
+                 loss_chunk_rows: int = 1024, remat_chains: bool = False,
+                 activation_budget_gib: float | None = None,
+                 max_finetune_len: int | None = None) -> None:
         self.model = model
         self.hf_config = hf_config
         self.block_size = block_size
@@ -149,6 +160,8 @@ class FinetuneRunner:
         self.lora_manager = lora_manager
         self.remat_threshold = remat_threshold
         self.remat_chains = remat_chains
+        self.activation_budget_gib = activation_budget_gib  # None: no budget
+        self.max_finetune_len = max_finetune_len  # None: each job's max_seq_len bounds its data
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
         self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
@@ -188,7 +201,8 @@ class FinetuneRunner:
         self.lora_manager.clear_slot(spec.lora_slot)
         with torch.no_grad():
             job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
-                       self.remat_threshold, self.remat_chains)
+                       self.remat_threshold, self.remat_chains, self.activation_budget_gib,
+                       self.max_finetune_len)
         self.jobs[spec.job_id] = job
         return job.plan
 
@@ -265,7 +279,7 @@ class FinetuneRunner:
             try:
                 n = len(start.token_ids)
                 store = ActivationStore(
-                    job.graph, job.plan, len(self.model.model.layers), n, self.dtype,
+                    job.graph, job.layer_plans.plans, len(self.model.model.layers), n, self.dtype,
                     self.device, lora_dropout=job.dropout,
                     dropout_seed=_dropout_seed(job.spec.seed, start.sequence_id))
                 backward = SequenceBackward(self.model, store, n, start.block_ids,

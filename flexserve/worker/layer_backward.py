@@ -9,7 +9,8 @@ of any sizes. Backward window [start, end) of layer n:
    reverse, reading the tensors the pruning plan stored and rematerializing the others from their
    producer ops; frozen linears give dX only, LoRA ops also dA and dB;
 3. attention: recomputes the window's queries over keys [0, end) from the paged KV cache under
-   autograd (SDPA: flash / memory-efficient kernels on GPU, math on CPU), which gives dQ of the
+   autograd (SDPA with K/V in their KV heads, `window_attention`: a fused flash or cuDNN
+   kernel on GPU without a GQA-expanded K/V copy; math on CPU, expanded), which gives dQ of the
    window and dK, dV of all positions [0, end). Those go into the layer's KV-gradient accumulator;
    the window's own dK, dV are then the accumulator's rows [start, end), complete because every
    later window has already added its share;
@@ -34,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from flexserve.layers.lora_linear import LoRALinear
 from flexserve.layers.rotary import rotate
@@ -49,6 +49,7 @@ from flexserve.worker.backward_ops import (
     rmsnorm_forward,
     rope_backward,
     silu_mul_backward,
+    window_attention,
 )
 from flexserve_kernels.dispatch import use_triton
 
@@ -167,6 +168,15 @@ class SequenceBackward:
         producers = {name: self.graph.producer(name) for name in self.graph.tensors}
         self._gemm_only = {name: op.name.split(".")[0] for name, op in producers.items()
                            if op is not None and op.kind == "linear" and readers.count(name) == 1}
+        # Op -> the forward tensors a window may drop once that op's backward has run: those
+        # whose first reader it is. Every later reader's backward (and every rematerialization
+        # from them, which serves later ops) has run before it in the reverse walk.
+        first_reader: dict[str, str] = {}
+        for op in self.graph.ops:
+            for name in op.inputs:
+                first_reader.setdefault(name, op.name)
+        self._dead_after = {op.name: tuple(n for n, r in first_reader.items() if r == op.name)
+                            for op in self.graph.ops}
         self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
         for layer in range(len(layers)):
             for target in self.graph.bypass:
@@ -237,6 +247,11 @@ class SequenceBackward:
             grad = grads.values.get(op.outputs[0])
             if grad is not None:
                 self._op_backward(win, op, grad, grads, rows)
+            # Free what nothing reads any more before the next op allocates (a 4096-token
+            # window of Llama-3.1-8B: dL/dm in fp32, dL/dgate and dL/dup, m: 0.6 GB).
+            for name in op.outputs:
+                grads.drop(name)
+            win.release(self._dead_after[op.name], attention=op.kind == "attention")
         if grads.needed["x"] and grads.values["x"] is not rows:
             rows.copy_(grads.values["x"])
 
@@ -367,23 +382,28 @@ class _Window:
     def dropout_mask(self, target: str) -> torch.Tensor:
         return self.owner.store.dropout_mask(self.layer, target, self.start, self.end)
 
+    def release(self, names: tuple[str, ...], attention: bool = False) -> None:
+        """Drop the loaded or rematerialized tensors `names` (and the attention graph)."""
+        for name in names:
+            self._acts.pop(name, None)
+        if attention:
+            self._attention = None
+
     def attention_graph(self) -> tuple[torch.Tensor, ...]:
         """(out [1, H, n, D], q, k, v leaves) of the window's attention, recorded by autograd
         once and shared by a rematerialization of `attn` and the attention backward."""
         if self._attention is None:
             owner = self.owner
-            n, heads, kv_heads = self.end - self.start, owner.num_heads, owner.num_kv_heads
-            k_all, v_all = owner.cached_kv(self.layer, self.end)
+            n = self.end - self.start
+            q = self.act("q").view(n, owner.num_heads, owner.head_dim)
             with torch.inference_mode(False), torch.enable_grad():
-                q = self.act("q").view(n, heads, owner.head_dim).clone().requires_grad_()
-                k, v = k_all.clone().requires_grad_(), v_all.clone().requires_grad_()
-                qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-                if heads != kv_heads:  # GQA: query head h reads KV head h // (heads / kv_heads)
-                    kk = kk.repeat_interleave(heads // kv_heads, dim=1)
-                    vv = vv.repeat_interleave(heads // kv_heads, dim=1)
-                out = F.scaled_dot_product_attention(
-                    qq, kk.to(qq.dtype), vv.to(qq.dtype), attn_mask=causal_lower_right(n, self.end),
-                    scale=owner.scale)
+                # Gathered here, the K/V rows are ordinary tensors: leaves without a copy.
+                k, v = (_leaf(t.to(q.dtype)) for t in owner.cached_kv(self.layer, self.end))
+                q = _leaf(q)
+                # [1, heads, rows, D] views of the [rows, heads, D] tensors: the layout the
+                # fused kernels read (no copy); K/V keep their KV heads (`window_attention`).
+                out = window_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                       owner.scale)
             self._attention = (out, q, k, v)
         return self._attention
 
@@ -429,3 +449,9 @@ class _Window:
         if op.kind == "silu_mul":
             return F.silu(x) * self.act(op.inputs[1])
         raise ValueError(f"cannot rematerialize {name}: no forward for op kind {op.kind!r}")
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """`t` as an autograd leaf; an inference tensor (made under inference mode) is copied, as
+    autograd cannot save it."""
+    return (t.clone() if t.is_inference() else t.detach()).requires_grad_()

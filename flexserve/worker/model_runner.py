@@ -95,6 +95,10 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         self.finetune_runner: FinetuneRunner | None = None  # created by the first job
         self._stream: torch.cuda.Stream | None = None  # fine-tuning's side stream (CUDA)
+        # Asynchronous scheduling: the last plan's sampled tokens on the device (a continuation
+        # plan's inputs), and the call that waits for their host copy (deferred sampling).
+        self._last_sampled: torch.Tensor | None = None
+        self._pending_tokens: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------------------------- KV cache
     def initialize_kv_cache(self, max_model_len: int) -> int:
@@ -157,12 +161,34 @@ class ModelRunner:
         forward windows; sample rows that reached their end; then the plan's backward windows
         and optimizer steps. Fine-tuning keeps tensors past the step for a backward, so such
         steps run under no_grad instead of inference_mode."""
-        finetune = bool(plan.finetune_starts or plan.finetune_windows or plan.backward_windows
-                        or plan.optimizer_steps)
+        finetune = plan.has_finetune_work
         with torch.no_grad() if finetune else torch.inference_mode():
             return self._execute(plan, finetune)
 
-    def _execute(self, plan: BatchPlan, finetune: bool) -> StepResult:
+    def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
+        """Launch the plan and return the call that waits for its result (`EngineCore`'s
+        asynchronous scheduling). On CUDA the sampled tokens reach the host through a
+        non-blocking copy the call waits for, so the host can prepare the next plan while the
+        device runs this one. Steps with fine-tuning work, logprobs or prompt logprobs finish
+        before this returns."""
+        start = time.perf_counter()
+        finetune = plan.has_finetune_work
+        if finetune:
+            result = self.execute(plan)
+            return lambda: result
+        with torch.inference_mode():
+            result = self._execute(plan, False, deferred=True)
+        pending, self._pending_tokens = self._pending_tokens, None
+
+        def wait() -> StepResult:
+            if pending is not None:
+                pending()
+            result.execute_time = time.perf_counter() - start
+            return result
+
+        return wait
+
+    def _execute(self, plan: BatchPlan, finetune: bool, deferred: bool = False) -> StepResult:
         start = time.perf_counter()
         result = StepResult()
         rows = plan.sequences
@@ -185,17 +211,17 @@ class ModelRunner:
             # The inference forward is launched first and sampled last, so the fine-tuning
             # work queued on the side stream in between runs concurrently with it.
             concurrent = plan.finetune_concurrent
-            sample = self._forward(rows, [] if concurrent else windows, result)
+            sample = self._forward(rows, [] if concurrent else windows, result, plan)
             with torch.cuda.stream(side_stream):
                 if concurrent:  # spatial sharing: fine-tuning is its own forward
-                    self._forward([], windows, result)()
+                    self._forward([], windows, result, plan)()
                 # FlexLLM figure 9: backward windows touch only their own sequences' K/V
                 # blocks, activation stores and gradient buffers; adapter weights change only
                 # in the optimizer step, after both streams joined.
                 self._finetune().run_backward(plan.backward_windows, errors)
             sample()
         else:
-            self._forward(rows, windows, result)()
+            self._forward(rows, windows, result, plan, deferred)()
             if finetune:
                 self._finetune().run_backward(plan.backward_windows, errors)
         if side_stream is not None:
@@ -204,7 +230,7 @@ class ModelRunner:
             runner = self._finetune()
             runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
             runner.finish_sequences(plan.finished_finetune_sequences)
-        if cuda:
+        if cuda and self._pending_tokens is None:
             torch.cuda.synchronize(self.device)
         result.execute_time = time.perf_counter() - start
         return result
@@ -215,16 +241,21 @@ class ModelRunner:
         return self._stream
 
     def _forward(self, rows: list[ScheduledSequence], windows: list[FinetuneWindow],
-                 result: StepResult) -> Callable[[], None]:
+                 result: StepResult, plan: BatchPlan, deferred: bool = False
+                 ) -> Callable[[], None]:
         """Launch one forward over inference rows then fine-tuning windows, with the windows'
         losses (their gradients are kept for backward). Returns the call that samples the rows
-        that reached their end and computes prompt logprobs (it waits for the device)."""
+        that reached their end and computes prompt logprobs (it waits for the device, unless
+        `deferred` and the sampled tokens are all it returns: then `_pending_tokens` waits)."""
         row_lens = [r.num_scheduled_tokens for r in rows] + [w.end - w.start for w in windows]
         if not row_lens:
             return lambda: None
         errors = result.finetune_errors
         row_slots = [r.lora_slot for r in rows] + [w.lora_slot for w in windows]
-        input_ids = self._prepare_input_ids(rows, windows)
+        if plan.continues_previous:
+            input_ids = self._continuation_input_ids(len(rows))
+        else:
+            input_ids = self._prepare_input_ids(rows, windows)
         num_computed = [r.num_computed_tokens for r in rows] + [w.start for w in windows]
         block_tables = [r.block_ids for r in rows] + [
             self._finetune().block_ids(w.job_id, w.sequence_id) for w in windows]
@@ -255,7 +286,9 @@ class ModelRunner:
                 else:
                     last_token_index = metadata.query_start_loc[1:] - 1
                     index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
-                self._sample(rows, sample_rows, hidden, index, result)
+                self._sample(rows, sample_rows, hidden, index, result, deferred)
+            else:
+                self._last_sampled = None
             self._prompt_logprobs(rows, hidden, result)
 
         return sample
@@ -310,7 +343,9 @@ class ModelRunner:
             ft = self.config.finetune
             self.finetune_runner = FinetuneRunner(
                 self.model, self.hf_config, self.block_size, self.device, self.dtype,
-                self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains)
+                self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains,
+                activation_budget_gib=ft.activation_budget_gib,
+                max_finetune_len=ft.max_finetune_len or self.config.model.max_model_len)
         return self.finetune_runner
 
     # ---------------------------------------------------------------------------------------- LoRA
@@ -329,6 +364,14 @@ class ModelRunner:
         if self.lora_manager is None:
             raise ValueError("LoRA is not enabled in this engine")
         return self.lora_manager
+
+    def _continuation_input_ids(self, num_rows: int) -> torch.Tensor:
+        """The tokens the previous plan sampled, one per row, still on the device."""
+        last = self._last_sampled
+        if last is None or last.shape[0] != num_rows:
+            raise RuntimeError(f"a continuation plan of {num_rows} rows follows a plan that "
+                               f"sampled {None if last is None else last.shape[0]} tokens")
+        return last
 
     def _prepare_input_ids(
         self, rows: list[ScheduledSequence], windows: list[FinetuneWindow] = ()
@@ -349,18 +392,35 @@ class ModelRunner:
         hidden: torch.Tensor,
         index: torch.Tensor | None,
         result: StepResult,
+        deferred: bool = False,
     ) -> None:
-        """Sample the `sample_rows` of `rows` from `hidden[index]` (None: all of `hidden`)."""
+        """Sample the `sample_rows` of `rows` from `hidden[index]` (None: all of `hidden`).
+        `deferred`: when only tokens are asked for, they are copied to the host without waiting
+        and `_pending_tokens` is the call that waits and fills `result`."""
         logits = self.model.compute_logits(hidden if index is None else hidden[index])
         sampled_rows = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
         out = self.sampler(logits, metadata)
-        token_ids = out.sampled_token_ids.tolist()
+        # A continuation plan (asynchronous scheduling) feeds these to its rows on the device.
+        self._last_sampled = out.sampled_token_ids
         sampled = result.sampled_token_ids
         if metadata.max_num_logprobs is None:
-            for row, token_id in zip(sampled_rows, token_ids):
+            if deferred and self.device.type == "cuda":
+                host = out.sampled_token_ids.to("cpu", non_blocking=True)  # into pinned memory
+                copied = torch.cuda.Event()
+                copied.record()
+
+                def fill() -> None:
+                    copied.synchronize()
+                    for row, token_id in zip(sampled_rows, host.tolist()):
+                        sampled[row.request_id] = token_id
+
+                self._pending_tokens = fill
+                return
+            for row, token_id in zip(sampled_rows, out.sampled_token_ids.tolist()):
                 sampled[row.request_id] = token_id
             return
+        token_ids = out.sampled_token_ids.tolist()
         logprobs = out.token_logprobs()
         for k, row in enumerate(sampled_rows):
             sampled[row.request_id] = token_ids[k]

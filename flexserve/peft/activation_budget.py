@@ -1,0 +1,148 @@
+"""One pruning plan per decoder layer, mixed to fit an activation-memory budget.
+
+Graph pruning (`graph_pruning.plan_pruning`) gives one layer's plan. A job's activation store
+holds one plan per layer (`ActivationStore` takes a list), and `plan_layers` picks them:
+
+- Layer 0 needs no input gradient (nothing below it trains: PEFT leaves the embeddings frozen,
+  and the layer-wise backward computes none there), so unless `layer0_input_grad` it gets
+  whichever keeps fewer bytes of its plan without the input gradient and the other layers'
+  plan (both are exact there). Llama-3.1-8B, LoRA on down_proj: the former, m alone (28 KiB
+  per token instead of 80, and no recomputation); with chains at 0.6 the latter (x and x_mid,
+  16 KiB, m recomputed through gate/up).
+- The other layers get the base plan: algorithm 1 at `remat_threshold` (default 0.01), with
+  chains if `chains`, i.e. exactly what `--remat-threshold` / `--remat-chains` ask for.
+- With a budget (`budget_bytes` for `max_num_tokens` tokens, the longest sequence a store may
+  hold), layers whose lean plan (chains at `remat_threshold`, or `BUDGET_REMAT_THRESHOLD` when
+  none is configured) keeps fewer bytes switch to it one at a time, the largest saving first
+  and among equal savings the lowest layer, until sum(bytes per token) x max_num_tokens <=
+  budget. A budget that even all-lean layers exceed is a ValueError.
+
+Which layers go lean does not change the peak (every layer's buffers are allocated when the
+sequence starts), and every layer above 0 saves the same bytes for the same recomputation
+(layer 0, which saves less for as much, goes last). The lowest ones go lean because the
+backward frees the store from the top down: the large default layers go first, so the store
+shrinks fastest while the backward runs. The mix changes no
+gradient: each plan is exact on its own (`tests/test_activation_budget.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flexserve.peft.graph_pruning import DEFAULT_REMAT_THRESHOLD, PruningPlan, plan_pruning
+from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
+
+# The lean plan's remat threshold when none is configured: with chains, Llama-3.1-8B with LoRA
+# on down_proj then keeps x and x_mid only (16 KiB per token and layer instead of 80) and
+# recomputes q, gate_out, up_out and m (62% of the layer's forward FLOPs) in the backward.
+BUDGET_REMAT_THRESHOLD = 0.6
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlans:
+    """The pruning plan of every decoder layer of a job, and how the mix was chosen."""
+
+    plans: tuple[PruningPlan, ...]  # plan of layer i, for `ActivationStore`
+    lean_layers: tuple[int, ...]  # layers that got the lean plan (chains), ascending
+    base_threshold: float  # remat threshold of the base plans (layers not in lean_layers)
+    lean_threshold: float  # remat threshold of the lean plan (always with chains)
+    budget_bytes: int | None  # activation budget; None: none (no layer goes lean)
+    max_num_tokens: int | None  # tokens the budget is sized for (max_finetune_len)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Activation-store bytes one token keeps over all layers."""
+        return sum(plan.bytes_per_token for plan in self.plans)
+
+    @property
+    def num_bytes(self) -> int | None:
+        """Store bytes of a max_num_tokens-token sequence (None without max_num_tokens)."""
+        return None if self.max_num_tokens is None else self.bytes_per_token * self.max_num_tokens
+
+
+def plan_layers(
+    graph: LayerGraph,
+    dtype_bytes: int,
+    num_layers: int,
+    remat_threshold: float | None = None,
+    chains: bool = False,
+    budget_bytes: int | None = None,
+    max_num_tokens: int | None = None,
+    layer0_input_grad: bool = False,
+) -> LayerPlans:
+    """Per-layer plans of `graph` (see the module docstring); ValueError for bad arguments or a
+    budget that cannot hold max_num_tokens tokens even with every layer lean."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(
+            max_num_tokens, int) or max_num_tokens < 1):
+        raise ValueError(f"max_num_tokens must be a positive integer, got {max_num_tokens!r}")
+    if budget_bytes is not None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+            raise ValueError(f"the activation budget must be a positive number of bytes, got "
+                             f"{budget_bytes!r}")
+        if max_num_tokens is None:
+            raise ValueError("an activation budget needs max_num_tokens (max_finetune_len): the "
+                             "tokens one sequence's store may hold")
+    base_threshold = DEFAULT_REMAT_THRESHOLD if remat_threshold is None else remat_threshold
+    lean_threshold = BUDGET_REMAT_THRESHOLD if remat_threshold is None else remat_threshold
+    cache: dict[tuple[bool, bool], PruningPlan] = {}
+
+    def plan(input_grad: bool, lean: bool) -> PruningPlan:
+        if (input_grad, lean) not in cache:
+            cache[(input_grad, lean)] = plan_pruning(
+                graph, dtype_bytes, lean_threshold if lean else base_threshold,
+                input_grad=input_grad, chains=lean or chains)
+        return cache[(input_grad, lean)]
+
+    def layer_plan(layer: int, lean: bool) -> PruningPlan:
+        if layer > 0 or layer0_input_grad:
+            return plan(True, lean)
+        # Both are exact in layer 0; min() keeps the first (no input gradient) on a tie.
+        return min(plan(False, lean), plan(True, lean), key=lambda p: p.bytes_per_token)
+
+    plans = [layer_plan(layer, False) for layer in range(num_layers)]
+    lean_layers: list[int] = []
+    if budget_bytes is not None:
+        savings = {layer: plans[layer].bytes_per_token - layer_plan(layer, True).bytes_per_token
+                   for layer in range(num_layers)}
+        candidates = sorted((layer for layer, saving in savings.items() if saving > 0),
+                            key=lambda layer: (-savings[layer], layer))
+        for layer in candidates:
+            if sum(p.bytes_per_token for p in plans) * max_num_tokens <= budget_bytes:
+                break
+            plans[layer] = layer_plan(layer, True)
+            lean_layers.append(layer)
+        need = sum(p.bytes_per_token for p in plans) * max_num_tokens
+        if need > budget_bytes:
+            raise ValueError(
+                f"the activation budget of {budget_bytes / GIB:.3g} GiB cannot hold a "
+                f"{max_num_tokens}-token sequence: even with remat chains at threshold "
+                f"{lean_threshold:g} in every layer it needs {need / GIB:.3g} GiB "
+                f"({need // max_num_tokens:,} B per token over {num_layers} layers); raise "
+                "--finetune-activation-budget, lower --max-finetune-len, or train fewer or "
+                "lower-rank targets")
+    return LayerPlans(plans=tuple(plans), lean_layers=tuple(sorted(lean_layers)),
+                      base_threshold=float(base_threshold), lean_threshold=float(lean_threshold),
+                      budget_bytes=budget_bytes, max_num_tokens=max_num_tokens)
+
+
+def budget_bytes_from_gib(budget_gib: float | None) -> int | None:
+    """--finetune-activation-budget (GiB) in bytes; None stays None."""
+    return None if budget_gib is None else int(budget_gib * GIB)
+
+
+def plan_job_layers(
+    hf_config: Any, target_modules: Any, rank: int, dropout: float, dtype_bytes: int,
+    remat_threshold: float | None = None, chains: bool = False,
+    budget_gib: float | None = None, max_num_tokens: int | None = None,
+) -> LayerPlans:
+    """`plan_layers` for a LoRA job on `target_modules` of `hf_config`'s decoder layers: what the
+    worker's job keeps, and a check an API route can run before accepting a job (ValueError
+    when the budget cannot hold it)."""
+    graph = build_layer_graph(hf_config, dict.fromkeys(target_modules, "lora"), rank=rank,
+                              dropout=dropout)
+    return plan_layers(graph, dtype_bytes, hf_config.num_hidden_layers, remat_threshold, chains,
+                       budget_bytes_from_gib(budget_gib), max_num_tokens)
