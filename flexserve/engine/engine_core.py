@@ -119,10 +119,9 @@ class EngineCore:
         self.scheduler.observe_iteration(plan, done - began)
         failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
-        if self._pending is not None and not any(
-                self.scheduler.is_running(row.request_id) for row in self._pending[0].sequences):
-            # Every row launched ahead belongs to a request that just ended: nothing will read
-            # its tokens, and the device runs it before any later step that reuses its blocks.
+        if self._pending is not None and not self.scheduler.num_running:
+            # Its rows were all the running requests, and every one just ended: nothing will
+            # read its tokens, and the device runs it before any later step reusing its blocks.
             self._pending = None
         hybrid = self.scheduler.hybrid
         stats = StepStats(

@@ -148,11 +148,6 @@ class Scheduler:
         if ended:
             self.running = [r for r in self.running if r.request_id not in ended]
 
-    def is_running(self, request_id: str) -> bool:
-        """Whether the request is unfinished and admitted (it holds KV blocks)."""
-        request = self.requests.get(request_id)
-        return request is not None and request.status == RequestStatus.RUNNING
-
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
         return self.requests.get(request_id)

@@ -293,7 +293,7 @@ class Attention(nn.Module):
         if use_triton(q.device):
             from flexserve_kernels.paged_attention import paged_attention
 
-            if rope is not None and rope.cos is None:
+            if rope is not None:
                 from flexserve_kernels.rope_kv_write import rope_kv_write
 
                 rope_kv_write(rope.positions, q, k, v, rope.cos_sin_cache, self.kv_cache,
@@ -301,8 +301,6 @@ class Attention(nn.Module):
             else:
                 from flexserve_kernels.kv_cache_write import kv_cache_write
 
-                if rope is not None:
-                    q, k = rope.apply(q, k)
                 kv_cache_write(k, v, self.kv_cache, metadata.slot_mapping)
             out = paged_attention(
                 q, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens,

@@ -323,7 +323,7 @@ class FinetuneCapture:
     def take(self, layer: int, name: str, tensor: torch.Tensor) -> None:
         """`tensor` [T, width] of the flat batch: store the window rows where the plan keeps it."""
         for w in self._keepers.get((layer, name), ()):
-            w.store.write(layer, name, w.start, tensor[w.flat_start:w.flat_start + w.num_tokens])
+            w.store.write(layer, name, w.start, tensor[w.rows])
 
     def lora_input(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """The shrink input of a `LoRALinear`: x, with LoRA dropout applied to the rows of
@@ -353,7 +353,7 @@ class FinetuneCapture:
         `{target}_delta` where a plan keeps it (recomputed for the window rows only)."""
         layer, s_name, delta_name = module.layer_idx, f"{module.target}_s", f"{module.target}_delta"
         for w in self._keepers.get((layer, s_name), ()):
-            w.store.write(layer, s_name, w.start, s[w.flat_start:w.flat_start + w.num_tokens])
+            w.store.write(layer, s_name, w.start, s[w.rows])
         for w in self._keepers.get((layer, delta_name), ()):
             rank = w.store.graph.tensors[s_name].width
             b = module.lora_b[w.lora_slot, :, :rank].float()

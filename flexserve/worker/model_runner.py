@@ -95,10 +95,9 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         self.finetune_runner: FinetuneRunner | None = None  # created by the first job
         self._stream: torch.cuda.Stream | None = None  # fine-tuning's side stream (CUDA)
-        # Asynchronous scheduling: the last plan's sampled tokens on the device (a continuation
-        # plan's inputs), and the call that waits for their host copy (deferred sampling).
+        # The last plan's sampled tokens, on the device: a continuation plan's inputs
+        # (asynchronous scheduling).
         self._last_sampled: torch.Tensor | None = None
-        self._pending_tokens: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------------------------- KV cache
     def initialize_kv_cache(self, max_model_len: int) -> int:
@@ -161,9 +160,7 @@ class ModelRunner:
         forward windows; sample rows that reached their end; then the plan's backward windows
         and optimizer steps. Fine-tuning keeps tensors past the step for a backward, so such
         steps run under no_grad instead of inference_mode."""
-        finetune = plan.has_finetune_work
-        with torch.no_grad() if finetune else torch.inference_mode():
-            return self._execute(plan, finetune)
+        return self.execute_async(plan)()
 
     def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
         """Launch the plan and return the call that waits for its result (`EngineCore`'s
@@ -173,23 +170,21 @@ class ModelRunner:
         before this returns."""
         start = time.perf_counter()
         finetune = plan.has_finetune_work
-        if finetune:
-            result = self.execute(plan)
-            return lambda: result
-        with torch.inference_mode():
-            result = self._execute(plan, False, deferred=True)
-        pending, self._pending_tokens = self._pending_tokens, None
+        with torch.no_grad() if finetune else torch.inference_mode():
+            result, fill = self._execute(plan, finetune)
 
         def wait() -> StepResult:
-            if pending is not None:
-                pending()
+            if fill is not None:
+                fill()
             result.execute_time = time.perf_counter() - start
             return result
 
         return wait
 
-    def _execute(self, plan: BatchPlan, finetune: bool, deferred: bool = False) -> StepResult:
-        start = time.perf_counter()
+    def _execute(self, plan: BatchPlan, finetune: bool
+                 ) -> tuple[StepResult, Callable[[], None] | None]:
+        """The result, and the call that fills in its sampled tokens once their copy to the
+        host lands (None: they are in already, and the device is done)."""
         result = StepResult()
         rows = plan.sequences
         errors = result.finetune_errors
@@ -212,6 +207,7 @@ class ModelRunner:
             # work queued on the side stream in between runs concurrently with it.
             concurrent = plan.finetune_concurrent
             sample = self._forward(rows, [] if concurrent else windows, result, plan)
+            fill = None
             with torch.cuda.stream(side_stream):
                 if concurrent:  # spatial sharing: fine-tuning is its own forward
                     self._forward([], windows, result, plan)()
@@ -221,7 +217,8 @@ class ModelRunner:
                 self._finetune().run_backward(plan.backward_windows, errors)
             sample()
         else:
-            self._forward(rows, windows, result, plan, deferred)()
+            # Without fine-tuning work the sampled tokens may come back later (deferred).
+            fill = self._forward(rows, windows, result, plan, deferred=not finetune)()
             if finetune:
                 self._finetune().run_backward(plan.backward_windows, errors)
         if side_stream is not None:
@@ -230,10 +227,9 @@ class ModelRunner:
             runner = self._finetune()
             runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
             runner.finish_sequences(plan.finished_finetune_sequences)
-        if cuda and self._pending_tokens is None:
+        if cuda and fill is None:
             torch.cuda.synchronize(self.device)
-        result.execute_time = time.perf_counter() - start
-        return result
+        return result, fill
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -242,11 +238,12 @@ class ModelRunner:
 
     def _forward(self, rows: list[ScheduledSequence], windows: list[FinetuneWindow],
                  result: StepResult, plan: BatchPlan, deferred: bool = False
-                 ) -> Callable[[], None]:
+                 ) -> Callable[[], Callable[[], None] | None]:
         """Launch one forward over inference rows then fine-tuning windows, with the windows'
         losses (their gradients are kept for backward). Returns the call that samples the rows
-        that reached their end and computes prompt logprobs (it waits for the device, unless
-        `deferred` and the sampled tokens are all it returns: then `_pending_tokens` waits)."""
+        that reached their end and computes prompt logprobs; it waits for the device and
+        returns None, unless `deferred` and the sampled tokens are all the step returns: then
+        it returns the call that waits for them (`_sample`)."""
         row_lens = [r.num_scheduled_tokens for r in rows] + [w.end - w.start for w in windows]
         if not row_lens:
             return lambda: None
@@ -278,7 +275,8 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         if capture is not None:
             self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
-        def sample() -> None:
+        def sample() -> Callable[[], None] | None:
+            fill = None
             sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
             if sample_rows:
                 if len(sample_rows) == len(rows) and len(hidden) == len(rows):
@@ -286,10 +284,11 @@ class ModelRunner:
                 else:
                     last_token_index = metadata.query_start_loc[1:] - 1
                     index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
-                self._sample(rows, sample_rows, hidden, index, result, deferred)
+                fill = self._sample(rows, sample_rows, hidden, index, result, deferred)
             else:
                 self._last_sampled = None
             self._prompt_logprobs(rows, hidden, result)
+            return fill
 
         return sample
 
@@ -393,10 +392,10 @@ class ModelRunner:
         index: torch.Tensor | None,
         result: StepResult,
         deferred: bool = False,
-    ) -> None:
+    ) -> Callable[[], None] | None:
         """Sample the `sample_rows` of `rows` from `hidden[index]` (None: all of `hidden`).
-        `deferred`: when only tokens are asked for, they are copied to the host without waiting
-        and `_pending_tokens` is the call that waits and fills `result`."""
+        `deferred` on CUDA, when only tokens are asked for: they are copied to the host without
+        waiting, and the returned call waits for the copy and fills `result`."""
         logits = self.model.compute_logits(hidden if index is None else hidden[index])
         sampled_rows = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
@@ -415,11 +414,10 @@ class ModelRunner:
                     for row, token_id in zip(sampled_rows, host.tolist()):
                         sampled[row.request_id] = token_id
 
-                self._pending_tokens = fill
-                return
+                return fill
             for row, token_id in zip(sampled_rows, out.sampled_token_ids.tolist()):
                 sampled[row.request_id] = token_id
-            return
+            return None
         token_ids = out.sampled_token_ids.tolist()
         logprobs = out.token_logprobs()
         for k, row in enumerate(sampled_rows):
