@@ -94,9 +94,33 @@ def interpreter_hooks(path: str, interpreted: bool, run_in_child: bool) -> tuple
     return test_module_in_interpreter_child_process, _triton_interpret
 
 
+# What every `compile_for_hopper` script starts with: the sm_90 target and `check_spills`.
+_HOPPER_PREAMBLE = r'''
+import os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+target = GPUTarget("cuda", 90, 32)
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+def check_spills(kernel, label):
+    """Exit naming `label` when the compiled kernel spills registers to the stack (read with
+    the cuobjdump Triton ships; nothing is checked without it)."""
+    if not os.path.exists(_CUOBJDUMP):
+        return
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"]); f.flush()
+        usage = subprocess.run([_CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                               text=True).stdout
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    if stack:
+        sys.exit(f"{label}: {stack} bytes of spills")
+'''
+
+
 def compile_for_hopper(script: str) -> None:
-    """Run `script` (which compiles kernels offline for sm_90 and prints "ok" when none spills)
-    in a child process without the interpreter; skip when Triton has no NVIDIA backend."""
+    """Run `script` (which compiles kernels offline for sm_90 with `target` and `check_spills`
+    from the preamble, and prints "ok" when none spills) in a child process without the
+    interpreter; skip when Triton has no NVIDIA backend."""
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.backends.nvidia import compiler  # noqa: F401
@@ -104,7 +128,7 @@ def compile_for_hopper(script: str) -> None:
         pytest.skip("this triton has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default; silences triton 3.9's notice
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", _HOPPER_PREAMBLE + script], env=env,
+                            capture_output=True, text=True, timeout=300)
     output = result.stdout[-2000:] + result.stderr[-4000:]
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), output

@@ -336,14 +336,9 @@ def test_bf16_llama8b_shapes_on_gpu():
 # Compiles the kernels for sm_90 with the wheel's ptxas at the launchers' Llama-3.1-8B settings
 # (fresh process, no interpreter) and fails on a compile error or register spills.
 _COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flexserve_kernels import finetune_backward as fb
-
-target = GPUTarget("cuda", 90, 32)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 def compile_one(fn, ptrs, consts, num_warps):
     sig = {}
@@ -352,15 +347,7 @@ def compile_one(fn, ptrs, consts, num_warps):
                      if name.endswith("_ptr") else "fp32" if name == "eps" else "i32")
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target,
                             options={"num_warps": num_warps})
-    if not os.path.exists(cuobjdump):
-        return
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True,
-                               text=True).stdout
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    if stack:
-        sys.exit(f"{fn.__name__} {consts} warps={num_warps}: {stack} bytes of spills")
+    check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
 bf16 = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "d_gate_ptr": "*bf16", "d_up_ptr": "*bf16"}
 compile_one(fb._silu_mul_bwd_kernel, bf16, dict(BLOCK=1024), 4)

@@ -303,14 +303,10 @@ def test_silu_and_mul_with_folded_lora_equals_expand_then_activation(width, dtyp
 # -------------------------------------------------------------- compiled for Hopper, no GPU
 
 _COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flexserve_kernels import lora_expand_folded as kf
 
-target = GPUTarget("cuda", 90, 32)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 fn = kf._lora_expand_folded_kernel
 
 def compile_one(dt, rank_pad, block_n, num_proj):
@@ -321,14 +317,7 @@ def compile_one(dt, rank_pad, block_n, num_proj):
     consts = dict(NUM_PROJ=num_proj, RANK_PAD=rank_pad, BLOCK_N=block_n)
     sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options={"num_warps": 4})
-    if not os.path.exists(cuobjdump):
-        return
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    if stack:
-        sys.exit(f"{dt} rank={rank_pad} bn={block_n} proj={num_proj}: {stack} bytes of spills")
+    check_spills(kernel, f"{dt} rank={rank_pad} bn={block_n} proj={num_proj}")
 
 LORA_TYPES = dict(s_ptr=None, b_ptr=None, scaling_ptr="*fp32", token_slots_ptr="*i32", end0="i32", end1="i32",
                   num_slots="i32", max_rank="i32", stride_sm="i32", stride_bs="i32", stride_bn="i32")
@@ -338,12 +327,7 @@ def compile_fused(fn, dt, types, consts, num_warps):
     types = {**{k: (p if v is None else v) for k, v in LORA_TYPES.items()}, **types}
     sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target, options={"num_warps": num_warps})
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"]); f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        if int(re.search(r"STACK:(\d+)", usage).group(1)):
-            sys.exit(f"{fn.__name__} {dt} {consts}: spills")
+    check_spills(kernel, f"{fn.__name__} {dt} {consts}")
 
 from flexserve_kernels import activation
 for dt in ("bf16", "fp32"):

@@ -290,14 +290,10 @@ def test_rejects_bad_inputs(which):
 # shapes; fails on a compile error, on register spills, or when the loops lose their pipelining
 # (tl.range num_stages: async copies in the TTGIR). The interpreter cannot catch any of these.
 _COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flexserve_kernels import lora_fused as kf
 
-target = GPUTarget("cuda", 90, 32)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 fn = kf._lora_fused_bgmv_kernel
 
 def projection_types(k, p):
@@ -322,14 +318,7 @@ def compile_one(dt, num_proj, rank_pad, block_k, block_n, tile_n):
     label = f"{dt} proj={num_proj} rank={rank_pad} bk={block_k} bn={block_n} tile={tile_n}"
     if "async_copy_global_to_local" not in kernel.asm["ttgir"]:
         sys.exit(f"{label}: the loops are not pipelined")
-    if not os.path.exists(cuobjdump):
-        return
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    if stack:
-        sys.exit(f"{label}: {stack} bytes of spills")
+    check_spills(kernel, label)
 
 # rank 16: qkv at batch 1, gate/up at 64, one projection; rank 64 and 128 (max_lora_rank's range).
 compile_one("bf16", 3, 16, 512, 512, 512)

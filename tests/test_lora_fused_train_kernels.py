@@ -227,15 +227,11 @@ def test_gpu_gradients_are_bitwise_reproducible():
 
 
 _COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flexserve_kernels import lora_fused_train as kf
 from flexserve_kernels import lora_fused_train_bwd as kb
 
-target = GPUTarget("cuda", 90, 32)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
 
 def compile_one(fn, consts, num_warps, num_stages, gemm=False):
@@ -255,14 +251,7 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False):
     ttgir = kernel.asm["ttgir"]
     if gemm and ("async_copy_global_to_local" not in ttgir or "warp_group_dot" not in ttgir):
         sys.exit(f"{fn.__name__} {consts}: the main loop is not pipelined onto wgmma")
-    if not os.path.exists(cuobjdump):
-        return
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    if stack:
-        sys.exit(f"{fn.__name__} {consts} warps={num_warps}: {stack} bytes of spills")
+    check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
 for shapes, fn, extra in ((kf.FWD_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
                           (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True})):

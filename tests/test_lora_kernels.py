@@ -368,14 +368,10 @@ def test_launchers_reject_bad_block_sizes():
 # Llama-3.1-8B shapes, and fails on a compile error or on register spills. The interpreter cannot
 # catch either; this needs no GPU.
 _COMPILE_SCRIPT = r"""
-import os, re, subprocess, sys, tempfile
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flexserve_kernels import lora_expand as ke, lora_shrink as ks
 
-target = GPUTarget("cuda", 90, 32)
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 I32 = "i32"
 P = {"bf16": "*bf16", "fp32": "*fp32"}
 
@@ -383,14 +379,7 @@ def compile_one(fn, types, consts, num_warps, num_stages=3):
     sig = {name: "constexpr" if name in consts else types[name] for name in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=target,
                             options={"num_warps": num_warps, "num_stages": num_stages})
-    if not os.path.exists(cuobjdump):
-        return
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    if stack:
-        sys.exit(f"{fn.__name__} {consts} warps={num_warps}: {stack} bytes of spills")
+    check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
 def first_if(cond, configs):  # float32 (rare in serving): one configuration per kernel
     return configs[:1] if cond else configs
