@@ -39,7 +39,9 @@ from dataclasses import dataclass
 
 STEP_LABEL = "decode_kernel_profile.step"
 # Substrings of a lower-cased kernel name -> its group; the first match wins (reduce before
-# attention). cuBLAS picks nvjet_* (Hopper), sm90_xmma_*/cutlass_* or gemv* kernels by shape.
+# attention). cuBLAS picks nvjet_* (Hopper), sm90_xmma_*/cutlass_* or gemv* kernels by shape;
+# one-row projections run flexserve's Triton _gemv_kernel (`flexserve.layers.linear`).
+# Argmax: flexserve's two Triton kernels, or torch's reduce_kernel (outside the graph).
 KERNEL_GROUPS = (
     ("rmsnorm", "RMSNorm (+residual)"),
     ("rope_kv_write", "rotary + KV-cache write"),
@@ -48,6 +50,8 @@ KERNEL_GROUPS = (
     ("decode_attention_reduce", "decode attention reduce"),
     ("decode_attention", "decode attention (split-K)"),
     ("silu_and_mul", "SiLU-and-mul"),
+    ("_gemv_kernel", "GEMV (Triton)"),
+    ("argmax", "argmax (Triton)"),
     ("nvjet", "GEMM (cuBLAS)"),
     ("xmma", "GEMM (cuBLAS)"),
     ("cutlass", "GEMM (cuBLAS)"),

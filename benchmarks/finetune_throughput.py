@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also time forward steps, backward steps, attention backward, "
                              "rematerialization, loss and optimizer (synchronizing timers)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the timed steps (torch.profiler) and print the GPU time by kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     timers = install_timers() if args.breakdown else None
@@ -99,11 +101,13 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         if timers is not None:
             timers.clear()
+        profiler = _start_profiler() if args.profile else None
         start = time.perf_counter()
         while not job.finished:
             engine.step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        kernel_table = _stop_profiler(profiler, elapsed, args.num_sequences) if profiler else None
         peak = torch.cuda.max_memory_allocated() - before
         runner = engine.executor.finetune_runner
         layers = runner.jobs[job.job_id].layer_plans
@@ -124,6 +128,8 @@ def main() -> None:
             "losses": [round(x, 4) for x in job.losses],
             "gpu": torch.cuda.get_device_name(),
         }
+        if kernel_table is not None:
+            row["gpu_ms_per_sequence_by_kernel"] = kernel_table
         if timers is not None:
             row["seconds_per_sequence_by_part"] = {
                 k: round(v / args.num_sequences, 4) for k, v in sorted(timers.items())}
@@ -136,6 +142,29 @@ def main() -> None:
         with open(args.out, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+
+
+def _start_profiler():
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    profiler.__enter__()
+    return profiler
+
+
+def _stop_profiler(profiler, elapsed: float, num_sequences: int, top: int = 25) -> dict[str, float]:
+    """Exit the profiler; print and return the GPU milliseconds per sequence of the `top`
+    kernels (and the busy total against the wall time; the profiler adds little at this size)."""
+    profiler.__exit__(None, None, None)
+    kernels = [e for e in profiler.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy = sum(e.device_time_total for e in kernels) / 1e3 / num_sequences
+    table = {"(GPU busy)": round(busy, 2), "(wall)": round(elapsed * 1e3 / num_sequences, 2)}
+    for e in kernels[:top]:
+        table[e.key[:90]] = round(e.device_time_total / 1e3 / num_sequences, 2)
+    width = max(len(k) for k in table)
+    print("GPU ms per sequence by kernel:")
+    for key, ms in table.items():
+        print(f"  {key:<{width}} {ms:9.2f}")
+    return table
 
 
 def install_timers() -> dict[str, float]:

@@ -32,6 +32,7 @@ from torch import nn
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
+from flexserve.layers.linear import dense
 from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
@@ -162,13 +163,13 @@ class MergedProjection:
         if self.folded is not None:
             meta = get_forward_context().lora_meta
             if meta is not None and meta.has_lora and folds_batch(x, meta):
-                out = F.linear(x, self.folded, self.folded_bias)
+                out = dense(x, self.folded, self.folded_bias)
                 num_rows = self.weight.shape[0]
                 if not any(m.has_weights_for(meta) for m in linears):
                     return out[:, :num_rows], None
                 return out[:, :num_rows], FoldedLoRA(out[:, num_rows:], self.lora_b, self.scaling,
                                                      meta.token_slots, tuple(self.sizes))
-        y = F.linear(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
         add_lora(linears, x, y.split(self.sizes, dim=-1))
         return y, None
 
@@ -381,14 +382,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        return dense(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
 
     def merge_projections(self) -> None:
-        """q/k/v and gate/up each as one GEMM (GPU path; call after the weights are loaded)."""
+        """q/k/v and gate/up each as one GEMM, o and down as groups of one (GPU path; call after
+        the weights are loaded): every projection then runs through `MergedProjection.project`."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv.merge((attn.q_proj, attn.k_proj, attn.v_proj))
+            attn.o.merge((attn.o_proj,))
             mlp.gate_up.merge((mlp.gate_proj, mlp.up_proj))
+            mlp.down.merge((mlp.down_proj,))
 
     def fold_lora_shrinks(self, max_fraction: float = FOLD_MAX_FRACTION) -> int:
         """Fold the LoRA slots' A rows into the merged GEMMs (q/k/v, o, gate/up, down) of every
