@@ -64,7 +64,8 @@ def test_profile_tiny_model_predicts_heldout_iterations(tiny_dir, one_thread):
     _, executor, info = tiny_executor(tiny_dir)
     grid = ProfileGrid.default(256, info.max_model_len, 64, 1024, quick=True)
     grid.num_heldout_inference, grid.num_heldout_finetune = 12, 2
-    result = profile_executor(executor, info, grid, repeats=5, warmup=1, progress=False,
+    # Medians of 9 rounds: with 5, one loaded run measured a median error of 15.4%.
+    result = profile_executor(executor, info, grid, repeats=9, warmup=1, progress=False,
                               clock=time.thread_time)
     assert executor.finetune_runner.jobs == {}  # the profiling job is gone
     shapes = [shape for shape, _ in result.samples]

@@ -10,6 +10,12 @@ output's one reader (the rounding its cast would do anyway). The fused RMSNorm b
 with the residual add's gradient, is called by `SequenceBackward` directly: where it writes
 depends on the window's gradient bookkeeping (`backward_gradients`).
 
+The LoRA products read 16-bit activations (a target's input, stored in the model's dtype) with
+fp32 gradients. `mm_fp32` runs a product of two 16-bit operands as one cuBLAS GEMM with an fp32
+result on CUDA (the values of widening both first: a product of two 16-bit floats is exact in
+fp32, the sums are fp32), without the widened copies; `split_bf16` writes an fp32 operand as two
+bf16 terms so that it can join such a GEMM (hi + lo is within 2^-17 of it).
+
 `window_attention` is the SDPA call whose autograd gives the attention backward: queries of the
 window [end - n, end) over keys [0, end), with grouped K/V (GQA) passed as they are.
 """
@@ -21,6 +27,32 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from flexserve.layers.rotary import rotate
+
+
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 sums, as an fp32 tensor: widened operands' product, or on CUDA with two
+    16-bit operands of one dtype the same products in one GEMM with an fp32 output."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in _16BIT:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def addmm_fp32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 c + a @ b (a, b of one 16-bit dtype on CUDA: one GEMM that adds c in its epilogue
+    and rounds once; elsewhere the widened product added to c). A new tensor; c is not written."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in _16BIT:
+        return torch.addmm(c, a, b, out_dtype=torch.float32)
+    return c + a.float() @ b.float()
+
+
+def split_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x [n, k] as bf16 [n, 2k] = [hi | lo] with hi + lo within 2^-17 |x| of x (8 + 8
+    significant bits), so x @ w ~= [hi | lo] @ [w; w] runs on 16-bit GEMMs."""
+    hi = x.to(torch.bfloat16)
+    return torch.cat([hi, (x - hi.float()).to(torch.bfloat16)], dim=1)
 
 
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,7 +20,14 @@ After a layer's last window (start == 0) the accumulator is zeroed for the layer
 layer's stored activations are freed. Any split gives whole-sequence backprop's gradients.
 
 Precision: activations and frozen weights in the model's dtype (GEMMs run in it); gradients, the
-residual buffer, the accumulators and the LoRA math in fp32.
+residual buffer, the accumulators and the LoRA math in fp32. In windows of at least
+`WIDE_LORA_GEMM_ROWS` rows the LoRA products that read a 16-bit activation have fp32 sums and
+outputs without widened copies (`mm_fp32`: on CUDA one 16-bit GEMM): the LoRA A
+rematerialization exactly so; in a bf16 model dA and the bypass's dX take dS as two bf16 terms
+(`split_bf16`, within 2^-17 of it); and a frozen linear whose LoRA A reads its input adds the
+bypass's fp32 dX in its own dX GEMM's epilogue (`addmm_fp32`, one rounding). Narrower windows
+widen the operands and round the frozen product before the sum. Both paths do the same, so they
+compute the same values.
 
 Where `use_triton` says so (CUDA), the elementwise backward is fused Triton kernels with the
 torch path's fp32 math (`backward_ops`). The fused path also drops temporaries without changing a
@@ -43,15 +50,25 @@ from flexserve.peft.layer_graph import LayerGraph, Op
 from flexserve.worker.activation_store import ActivationStore, apply_lora_dropout
 from flexserve.worker.backward_gradients import WindowGradients
 from flexserve.worker.backward_ops import (
+    addmm_fp32,
     fused_rope_backward,
     fused_silu_mul_backward,
+    mm_fp32,
     rmsnorm_backward,
     rmsnorm_forward,
     rope_backward,
     silu_mul_backward,
+    split_bf16,
     window_attention,
 )
 from flexserve_kernels.dispatch import use_triton
+
+
+# On an H200 (Llama-3.1-8B down_proj, r=16; docs/benchmarks.md, session 6) one layer's LoRA
+# products and down_proj dX took 273 vs 345 us at 1024 rows and 887 vs 1227 at 4096 as 16-bit
+# GEMMs with fp32 outputs, but 196-247 vs 108-121 us at 16-256 rows (more launches, slower small
+# out_dtype GEMMs): the co-serving windows' sizes.
+WIDE_LORA_GEMM_ROWS = 1024
 
 
 def lora_grad_name(layer: int, target: str, half: str) -> str:
@@ -177,6 +194,12 @@ class SequenceBackward:
                 first_reader.setdefault(name, op.name)
         self._dead_after = {op.name: tuple(n for n, r in first_reader.items() if r == op.name)
                             for op in self.graph.ops}
+        # Frozen linears whose LoRA A reads their own input (no dropout between): the bypass's
+        # dX arrives first in the reverse walk, in fp32, and the linear's dX GEMM adds it.
+        self._adds_bypass_dx = {
+            op.name for op in self.graph.ops if op.kind == "linear"
+            and any(o.kind == "lora_a" and o.inputs == op.inputs
+                    and o.name.split(".")[0] == op.name.split(".")[0] for o in self.graph.ops)}
         self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
         for layer in range(len(layers)):
             for target in self.graph.bypass:
@@ -271,6 +294,13 @@ class SequenceBackward:
                                             grad))
         elif kind == "linear" and needed[name]:
             weight = self.linear(win.layer, op.name.split(".")[0]).weight  # frozen: dX only
+            old = grads.values.get(name)
+            if op.name in self._adds_bypass_dx and old is not None and win.wide_lora_gemms:
+                # The bypass's fp32 dX (and what came before it) is there: the GEMM adds it
+                # in its epilogue, one rounding, on both paths (a new tensor either way).
+                grads.values[name] = addmm_fp32(old, grad.to(weight.dtype), weight)
+                grads.set_owned(name, fused)
+                return
             dx = grad.to(weight.dtype) @ weight
             # Fused: the model-dtype product is the gradient's exact value; whoever reads it
             # widens it (a kernel in registers, a sum by promotion), never a separate cast.
@@ -288,10 +318,18 @@ class SequenceBackward:
                      fresh=True)
         elif kind == "lora_a":
             module, rank, grad_a, _ = self._lora[(win.layer, op.name.split(".")[0])]
+            lora_a, act = module.lora_a[self.lora_slot, :rank], win.act(name)
+            if win.wide_lora_gemms and act.dtype == lora_a.dtype == torch.bfloat16:  # both paths
+                split = split_bf16(grad.float())  # [n, 2 * rank]
+                pair = mm_fp32(split.T, act)
+                grad_a.add_(pair[:rank]).add_(pair[rank:])
+                if needed[name]:
+                    give(name, mm_fp32(split, torch.cat([lora_a, lora_a])), fresh=True)
+                return
             grad = grad.float()
-            grad_a.add_(grad.T @ win.act(name).float())
+            grad_a.add_(grad.T @ act.float())
             if needed[name]:
-                give(name, grad @ module.lora_a[self.lora_slot, :rank].float(), fresh=True)
+                give(name, grad @ lora_a.float(), fresh=True)
         elif kind == "dropout" and needed[name]:
             keep = win.dropout_mask(op.name.split(".")[0])
             give(name, apply_lora_dropout(grad.float(), keep, self.store.lora_dropout), fresh=True)
@@ -366,6 +404,9 @@ class _Window:
 
     def __init__(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
         self.owner, self.layer, self.start, self.end = owner, layer, start, end
+        # Windows this wide run the LoRA products as 16-bit GEMMs with fp32 outputs (see the
+        # module docstring); narrower ones widen their operands, which was measured faster there.
+        self.wide_lora_gemms = end - start >= WIDE_LORA_GEMM_ROWS
         self.decoder = owner.model.model.layers[layer]
         self.dtype = owner.store.dtype
         cos_sin = owner.model.model.rotary_emb.cos_sin_cache[start:end].unsqueeze(1)
@@ -433,6 +474,8 @@ class _Window:
         if op.kind == "lora_a":
             _, rank, _, _ = owner._lora[(layer, target)]
             module = owner.linear(layer, target)
+            if self.wide_lora_gemms:
+                return mm_fp32(x, module.lora_a[owner.lora_slot, :rank].T)
             return x.float() @ module.lora_a[owner.lora_slot, :rank].float().T
         if op.kind == "lora_b":
             _, rank, _, _ = owner._lora[(layer, target)]
