@@ -181,6 +181,9 @@ def test_dense_and_row_argmax_dispatch(monkeypatch):
     assert_close_rel(linear.dense(x[:1], w, out_dtype=torch.float32), x[:1] @ w.t(), 1e-5, magnitude(x[:1], w))
     assert_close_rel(linear.dense(x, w), x @ w.t(), 1e-5, magnitude(x, w))
     assert calls == [1]  # one row only
+    column_major = x.t().contiguous().t()[:1]  # a row whose elements are strided: F.linear
+    assert_close_rel(linear.dense(column_major, w), x[:1] @ w.t(), 1e-5, magnitude(x[:1], w))
+    assert calls == [1]
     monkeypatch.setenv("FLEXSERVE_KERNELS", "torch")
     linear.dense(x[:1], w)
     assert calls == [1]

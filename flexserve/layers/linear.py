@@ -19,7 +19,8 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), converted to `out_dtype` when given (rounded to x's dtype
     first either way). x is [T, in_features]."""
-    if x.shape[0] == 1 and x.dim() == 2 and use_triton(x.device):
+    if (x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and weight.stride(1) == 1
+            and use_triton(x.device)):
         from flexserve_kernels.gemv import gemv
 
         return gemv(x, weight, bias, out_dtype=out_dtype)
