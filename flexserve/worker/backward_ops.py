@@ -32,10 +32,15 @@ from flexserve.layers.rotary import rotate
 _16BIT = (torch.float16, torch.bfloat16)
 
 
+def _fp32_output_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether cuBLAS can take a and b as they are and write fp32 (torch's out_dtype overload)."""
+    return a.is_cuda and a.dtype == b.dtype and a.dtype in _16BIT
+
+
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with fp32 sums, as an fp32 tensor: widened operands' product, or on CUDA with two
     16-bit operands of one dtype the same products in one GEMM with an fp32 output."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in _16BIT:
+    if _fp32_output_gemm(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
@@ -43,7 +48,7 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def addmm_fp32(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 c + a @ b (a, b of one 16-bit dtype on CUDA: one GEMM that adds c in its epilogue
     and rounds once; elsewhere the widened product added to c). A new tensor; c is not written."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in _16BIT:
+    if _fp32_output_gemm(a, b):
         return torch.addmm(c, a, b, out_dtype=torch.float32)
     return c + a.float() @ b.float()
 
