@@ -205,6 +205,43 @@ def bench_argv(args: argparse.Namespace, url: str, policy: str, rate: float | No
     return argv
 
 
+SERVER_SUMS = ("flexserve:iteration_latency_seconds", "flexserve:inter_token_latency_seconds")
+SERVER_GAUGES = ("flexserve:latency_model_error_ratio", "flexserve:latency_model_scale",
+                 "flexserve:iteration_overhead_seconds")
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    """The server's own view of a run: histogram sums and counts, and the scheduler's gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10.0).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in SERVER_GAUGES or sample.name.removesuffix("_sum") in SERVER_SUMS \
+                    or sample.name.removesuffix("_count") in SERVER_SUMS:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def server_row(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Mean engine-step time and server-side inter-token latency over the run (ms), and the
+    scheduler's gauges at its end: where TPOT goes, as the server saw it."""
+    row: dict[str, Any] = {}
+    for name, key in zip(SERVER_SUMS, ("server_step_ms", "server_itl_ms")):
+        count = after.get(name + "_count", 0.0) - before.get(name + "_count", 0.0)
+        total = after.get(name + "_sum", 0.0) - before.get(name + "_sum", 0.0)
+        row[key] = round(1e3 * total / count, 2) if count else None
+    row["server_steps"] = int(after.get(SERVER_SUMS[0] + "_count", 0.0)
+                              - before.get(SERVER_SUMS[0] + "_count", 0.0))
+    for name in SERVER_GAUGES:
+        key = name.split(":")[1]
+        row[key] = after.get(name)
+    if row.get("iteration_overhead_seconds") is not None:
+        row["iteration_overhead_ms"] = round(1e3 * row.pop("iteration_overhead_seconds"), 2)
+    return row
+
+
 def result_row(base: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     """The JSONL line of one measurement from bench serve's result."""
     m = result["metrics"]
@@ -306,12 +343,14 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
                     emit({**line, "error": "skipped: time budget"})
                     continue
                 try:
+                    before = server_metrics(server.url)
                     result = run_benchmark(parse_bench_serve_args(
                         bench_argv(args, server.url, policy, rate, finetune_file)))
+                    seen = server_row(before, server_metrics(server.url))
                 except (ValueError, httpx.HTTPError) as e:
                     emit({**line, "error": f"{type(e).__name__}: {e}"})
                     continue
-                emit({**result_row(line, result), "error": None})
+                emit({**result_row(line, result), "server": seen, "error": None})
         finally:
             server.stop()
     return rows

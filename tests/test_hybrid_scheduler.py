@@ -33,6 +33,7 @@ class FakeLatencyModel:
     """A monotone latency model with known coefficients (seconds)."""
 
     error_ratio = 0.0
+    scale = 1.0
 
     def __init__(self, per_token: float = 2e-5, per_decode_context: float = 1e-7,
                  per_backward_token: float = 1e-5, base: float = 2e-3) -> None:
@@ -298,6 +299,65 @@ def test_the_latency_model_observes_every_executed_plan():
     assert {f.name for f in fields(IterationShape)} >= {"prefill_tokens", "decode_rows"}
     assert model.observed[0][0].prefill_tokens == 8
     assert model.observed[1][0].decode_rows == 1
+
+
+def test_host_overhead_between_steps_is_taken_off_the_limit():
+    """A running request's next token also waits for the host work between two iterations, so
+    windows are sized against the limit minus the overhead's average; pauses longer than the
+    limit are not a per-iteration cost and leave the average alone."""
+    model = FakeLatencyModel(per_token=4e-5)
+    scheduler = make_scheduler(model=model)
+    add_job(scheduler, lengths=(3000,))
+    hybrid = scheduler.hybrid
+    overhead = 0.004
+    for _ in range(200):
+        hybrid.observe_overhead(overhead)
+    hybrid.observe_overhead(5 * LIMIT)  # a pause
+    hybrid.observe_overhead(-1.0)  # a clock that went back
+    assert hybrid.overhead_s == pytest.approx(overhead, rel=1e-6)
+    assert hybrid.effective_limit_s == pytest.approx(LIMIT - overhead)
+    plan = step(scheduler)
+    (window,) = plan.finetune_windows
+    n = window.end - window.start
+    assert model.predict(plan_shape(plan)) <= LIMIT - overhead
+    assert model.predict(IterationShape(finetune_tokens=n + WINDOW_ALIGNMENT)) > LIMIT - overhead
+    # Without the overhead the same job gets a larger window.
+    fresh = make_scheduler(model=model)
+    add_job(fresh, lengths=(3000,))
+    (wide,) = step(fresh).finetune_windows
+    assert wide.end - wide.start > n
+
+
+def test_the_engine_measures_host_overhead_only_while_tokens_wait(monkeypatch):
+    """The gap from one synchronous step's execute end to the next step's start is sampled
+    when requests were running after it, and not after the last request finished."""
+    import flexserve.engine.engine_core as engine_core
+
+    now = [0.0]
+    monkeypatch.setattr(engine_core.time, "perf_counter", lambda: now[0])
+    scheduler = make_scheduler(model=FakeLatencyModel())
+    add_request(scheduler, "r", prompt_len=8, max_tokens=3)
+    samples: list[float] = []
+    monkeypatch.setattr(scheduler.hybrid, "observe_overhead", samples.append)
+
+    class Executor:
+        def execute(self, plan):
+            now[0] += 0.020  # the device
+            result = StepResult()
+            for row in plan.sequences:
+                if row.needs_sample:
+                    result.sampled_token_ids[row.request_id] = 1
+            return result
+
+    core = engine_core.EngineCore(scheduler, Executor())
+    core.step()  # prefill: first token, the request keeps running
+    now[0] += 0.003  # the caller hands the output out
+    core.step()  # second token
+    now[0] += 0.005
+    core.step()  # third token: the request finishes
+    now[0] += 1.0  # idle
+    core.step()  # nothing to do
+    assert [round(s, 6) for s in samples] == [0.003, 0.005]
 
 
 def test_fine_tuning_jobs_of_two_tenants_share_windows_by_vtc():

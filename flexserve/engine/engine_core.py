@@ -71,6 +71,8 @@ class StepStats:
     # layer-window tokens this step
     predicted_latency: float = 0.0  # the latency model's prediction for this plan, seconds
     latency_model_error_ratio: float = 0.0  # rolling |predicted - measured| / measured
+    latency_model_scale: float = 1.0  # the latency model's online correction factor
+    iteration_overhead: float = 0.0  # seconds: EWMA of host time between back-to-back steps
 
 
 class EngineCore:
@@ -86,6 +88,9 @@ class EngineCore:
         # finished (its iteration time is measured from there).
         self._pending: tuple[BatchPlan, Callable[[], StepResult]] | None = None
         self._last_done = 0.0
+        # When the last synchronous step's execute ended, while requests were running: the time
+        # from then to the next step's start is host overhead their next token also waits for.
+        self._tokens_waiting_since: float | None = None
 
     @property
     def has_pending_step(self) -> bool:
@@ -95,6 +100,9 @@ class EngineCore:
     def step(self) -> tuple[list[Request], StepResult | None, StepStats | None]:
         """One iteration. Returns the requests that advanced or finished, the raw result, stats."""
         start = time.perf_counter()
+        since, self._tokens_waiting_since = self._tokens_waiting_since, None
+        if since is not None:
+            self.scheduler.observe_overhead(start - since)
         if self._pending is not None:
             plan, wait = self._pending
             self._pending = None
@@ -123,6 +131,9 @@ class EngineCore:
             # Its rows were all the running requests, and every one just ended: nothing will
             # read its tokens, and the device runs it before any later step reusing its blocks.
             self._pending = None
+        if self._pending is None and self.scheduler.num_running:
+            # (A step launched ahead is timed from `done` on: the gap is inside its time.)
+            self._tokens_waiting_since = done
         hybrid = self.scheduler.hybrid
         stats = StepStats(
             num_batched_tokens=plan.num_batched_tokens,
@@ -133,6 +144,8 @@ class EngineCore:
             failed_requests=failed,
             predicted_latency=hybrid.last_predicted_s,
             latency_model_error_ratio=hybrid.latency_model.error_ratio,
+            latency_model_scale=hybrid.latency_model.scale,
+            iteration_overhead=hybrid.overhead_s,
         )
         for window in plan.finetune_windows:
             tokens = stats.finetune_forward_tokens

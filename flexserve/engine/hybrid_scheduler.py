@@ -5,7 +5,8 @@ The inference rows of a step are chosen first (iteration-level scheduling with c
 
 - `coserve` (default): forward windows of s = max s with f(c + s) <= SLO, where c is the inference
   work already in the plan and f the latency model; then backward layer-windows the same way until
-  the predicted iteration time reaches the limit (TPOT SLO minus a margin). When the inference work
+  the predicted iteration time reaches the limit (TPOT SLO minus a margin, minus the host time
+  each iteration also costs outside schedule + execute, see `observe_overhead`). When the inference work
   alone is predicted over the limit, or a waiting prompt is close to its TTFT deadline, fine-tuning
   gets only its minimum share (`finetune_min_share` of the token budget), so it never starves.
 - `temporal` / `dynamic-temporal`: no fine-tuning in inference iterations; after every n inference
@@ -111,6 +112,7 @@ class LatencyWindowSizer:
 
 
 WINDOW_ALIGNMENT = 128  # window sizes the latency model picks are multiples of this
+OVERHEAD_EWMA_ALPHA = 0.1  # weight of one sample in the host-overhead average
 
 
 def _aligned(n: int, cap: int) -> int:
@@ -166,6 +168,10 @@ class HybridTokenScheduler:
         self.picker = VTCJobPicker(self.vtc, num_layers)
         self.limit_s = None if config.slo_tpot_ms is None \
             else config.slo_tpot_ms / 1000.0 * (1.0 - config.slo_margin)
+        # EWMA of the host time between two back-to-back iterations that the latency model does
+        # not see (update, output processing, handing outputs to clients): a running request's
+        # next token waits for it too, so the window sizing takes it off the limit.
+        self.overhead_s = 0.0
         self.floor_tokens = math.ceil(config.finetune_min_share * self.max_num_batched_tokens)
         self.temporal = TemporalSharing(config.temporal_frequency) \
             if self.policy == SharingPolicy.TEMPORAL else None
@@ -215,9 +221,11 @@ class HybridTokenScheduler:
             return
         shape = plan_shape(plan)
         predict = self.latency_model.predict
-        saturated = bool(plan.sequences) and predict(shape) > self.limit_s
+        limit = self.effective_limit_s
+        saturated = bool(plan.sequences) and predict(shape) > limit
         pressure = self._ttft_pressure(waiting)
-        limit = 0.0 if pressure else self.limit_s
+        if pressure:
+            limit = 0.0
         floor = self.floor_tokens if (saturated or pressure) else 0
         if not plan.sequences:
             # Nothing to protect: progress even when the model predicts that no window fits
@@ -258,6 +266,24 @@ class HybridTokenScheduler:
         """The measured time of an executed plan (corrects the latency model online)."""
         shape = self._last_shape if plan is self._last_plan else plan_shape(plan)
         self.latency_model.observe(shape, seconds)
+
+    @property
+    def effective_limit_s(self) -> float | None:
+        """What schedule + execute of one iteration may take: the limit less the overhead."""
+        if self.limit_s is None:
+            return None
+        return max(self.limit_s - self.overhead_s, 0.0)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Host time between the end of one iteration's execute and the start of the next, while
+        requests were running (their next token waited for it). Gaps longer than the limit are
+        pauses (a collection, an adapter load between steps), not a per-iteration cost, and are
+        ignored."""
+        if not (0.0 <= seconds < math.inf):
+            return
+        if self.limit_s is not None and seconds > self.limit_s:
+            return
+        self.overhead_s += OVERHEAD_EWMA_ALPHA * (seconds - self.overhead_s)
 
     # ------------------------------------------------------------------------------ fairness
     def request_queued(self, request: Request) -> None:

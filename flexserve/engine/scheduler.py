@@ -361,6 +361,10 @@ class Scheduler:
         """The measured time of an executed plan; corrects the latency model online."""
         self.hybrid.observe(plan, seconds)
 
+    def observe_overhead(self, seconds: float) -> None:
+        """Host time between two back-to-back iterations (see HybridTokenScheduler)."""
+        self.hybrid.observe_overhead(seconds)
+
     # ------------------------------------------------------------------ state for the engine
 
     @property

@@ -58,6 +58,8 @@ class IterationStats:
     finetune_forward_tokens: dict[str, int] = field(default_factory=dict)
     finetune_backward_tokens: dict[str, int] = field(default_factory=dict)  # layer-window tokens
     latency_model_error_ratio: float | None = None  # rolling |predicted - measured| / measured
+    latency_model_scale: float | None = None  # the latency model's online correction factor
+    iteration_overhead: float | None = None  # seconds: EWMA of host time between steps
 
 
 class StatLogger(Protocol):

@@ -153,6 +153,14 @@ class PrometheusStatLogger:
             "flexserve:latency_model_error_ratio",
             "Rolling mean of |predicted - measured| / measured iteration time of the latency "
             "model that sizes fine-tuning windows.")
+        self.latency_model_scale = gauge(
+            "flexserve:latency_model_scale",
+            "The latency model's online correction: measured / predicted iteration time, "
+            "averaged (1 = the profile holds).")
+        self.iteration_overhead = gauge(
+            "flexserve:iteration_overhead_seconds",
+            "Average host time between two back-to-back iterations while requests run (output "
+            "processing; the fine-tuning window sizing takes it off the TPOT limit).")
 
         self._requests_rejected = Counter(
             "flexserve:requests_rejected",
@@ -235,6 +243,10 @@ class PrometheusStatLogger:
     def _record_finetune(self, stats: IterationStats) -> None:
         if stats.latency_model_error_ratio is not None:
             self.latency_model_error_ratio.set(stats.latency_model_error_ratio)
+        if stats.latency_model_scale is not None:
+            self.latency_model_scale.set(stats.latency_model_scale)
+        if stats.iteration_overhead is not None:
+            self.iteration_overhead.set(stats.iteration_overhead)
         if stats.finetune_forward_tokens or stats.finetune_backward_tokens:
             self.finetune_window_tokens.observe(sum(stats.finetune_forward_tokens.values()))
         for phase, tokens in (("forward", stats.finetune_forward_tokens),
