@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from flexserve.layers.rotary import rotate
@@ -131,14 +132,29 @@ def window_attention(
     Its non-flash fallbacks are not GQA-safe, so K/V are expanded where flash would not run
     (fp32 on CUDA: the memory-efficient kernel), and on the CPU (the exactness reference, not
     a fast path: SDPA's math path would expand them anyway, and expanding here keeps the CPU's
-    bf16 roundings those of the torch and fused backward paths alike)."""
+    bf16 roundings those of the torch and fused backward paths alike).
+
+    On CUDA cuDNN's attention is excluded (`WINDOW_SDPA_BACKENDS`): it builds an execution plan
+    per new shape, and window shapes vary (latency-sized windows, sequence lengths). On the H200
+    (Llama-3.1-8B, co-serving windows) those builds made one backward iteration in ~27 take
+    110-190 ms against ~25-40 ms predicted; with flash they are gone and fine-tuning under the
+    SLO ran 37% faster (docs/benchmarks.md, session 7)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads != kv_heads and not _grouped_kv_fused(q, k, v):
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), scale=scale,
-        enable_gqa=k.shape[1] != heads)
+    mask = causal_lower_right(q.shape[2], k.shape[2])
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=k.shape[1] != heads)
+    with sdpa_kernel(WINDOW_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=k.shape[1] != heads)
+
+
+# The SDPA kernels a backward window's attention may use on CUDA, in torch's order: no cuDNN.
+WINDOW_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH]
 
 
 def _grouped_kv_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
