@@ -125,8 +125,8 @@ def window_attention(
 
     The mask is `causal_lower_right(n, end)` (query i sees keys up to end - n + i) and K/V keep
     their KV heads (`enable_gqa`), so on CUDA the call is one fused kernel with no K/V copy
-    (torch 2.11-2.13): `CausalBias` runs SDPA with `is_causal=True` when n == end (flash or
-    cuDNN, both take grouped K/V) and otherwise, when `can_use_flash_attention` accepts the
+    (torch 2.11-2.13): `CausalBias` runs SDPA with `is_causal=True` when n == end (flash,
+    which takes grouped K/V) and otherwise, when `can_use_flash_attention` accepts the
     inputs with enable_gqa, the flash kernel itself (`_scaled_dot_product_flash_attention`,
     whose causal mask is lower-right aligned and whose backward sums dK, dV over each group).
     Its non-flash fallbacks are not GQA-safe, so K/V are expanded where flash would not run

@@ -9,7 +9,7 @@ of any sizes. Backward window [start, end) of layer n:
    reverse, reading the tensors the pruning plan stored and rematerializing the others from their
    producer ops; frozen linears give dX only, LoRA ops also dA and dB;
 3. attention: recomputes the window's queries over keys [0, end) from the paged KV cache under
-   autograd (SDPA with K/V in their KV heads, `window_attention`: a fused flash or cuDNN
+   autograd (SDPA with K/V in their KV heads, `window_attention`: a fused flash
    kernel on GPU without a GQA-expanded K/V copy; math on CPU, expanded), which gives dQ of the
    window and dK, dV of all positions [0, end). Those go into the layer's KV-gradient accumulator;
    the window's own dK, dV are then the accumulator's rows [start, end), complete because every
