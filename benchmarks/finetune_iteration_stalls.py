@@ -7,8 +7,9 @@ where the slow ones spend their time.
 An offline `LLM` (dummy weights, `slo_tpot_ms` 50, the given latency profile) runs a LoRA r=16
 down_proj job alone for --duration seconds on sequences of 1024-8192 random tokens, so windows are
 sized by the latency model as under `flexserve serve`. Every iteration's shape, predicted and
-measured time are recorded with synchronizing timers around the parts of the fine-tuning step
-(attention backward, its forward recompute, rematerialization, loss, sequence start, optimizer),
+measured time are recorded with `finetune_throughput.install_timers`' synchronizing timers
+around the parts of the fine-tuning step (forward/backward step, attention backward and its
+forward recompute, rematerialization, window loss, sequence start, optimizer),
 the allocator's cudaMalloc/cudaFree/retry counts and garbage-collection time. It prints the
 iterations over --stall-ratio x their (uncorrected) prediction with their breakdown, and a
 summary line (tokens/s, iteration-time percentiles, stalls). The timers synchronize, so absolute
@@ -20,53 +21,24 @@ session 7).
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import time
 
 import torch
 
-PARTS = {  # (module, class or None, function) -> timer name
-    ("finetune_runner", "FinetuneRunner", "run_backward"): "backward",
-    ("finetune_runner", "FinetuneRunner", "window_losses"): "window loss",
-    ("finetune_runner", "FinetuneRunner", "start_sequences"): "sequence start",
-    ("finetune_runner", "FinetuneRunner", "optimizer_steps"): "optimizer",
-    ("layer_backward", "SequenceBackward", "_attention_backward"): "  attention backward",
-    ("layer_backward", "_Window", "attention_graph"): "  attention forward recompute",
-    ("layer_backward", "_Window", "_load"): "  rematerialization + loads",
-}
 ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 
 
-def install_timers(current: dict[str, float]) -> None:
-    """Synchronizing timers around PARTS and the garbage collector, summed into `current`."""
-    import importlib
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            sync()
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                sync()
-                current[name] = current.get(name, 0.0) + time.perf_counter() - t0
-        return wrapper
-
-    for (module, cls, fn), name in PARTS.items():
-        owner = getattr(importlib.import_module(f"flexserve.worker.{module}"), cls)
-        setattr(owner, fn, timed(name, getattr(owner, fn)))
+def install_gc_timer(totals: dict[str, float]) -> None:
+    """Garbage-collection pauses, summed into `totals["gc"]`."""
     began = [0.0]
 
     def on_gc(phase, info):
         if phase == "start":
             began[0] = time.perf_counter()
         else:
-            current["gc"] = current.get("gc", 0.0) + time.perf_counter() - began[0]
+            totals["gc"] = totals.get("gc", 0.0) + time.perf_counter() - began[0]
     gc.callbacks.append(on_gc)
 
 
@@ -96,8 +68,10 @@ def main() -> None:
     if args.allow_cudnn_sdpa:
         backward_ops.WINDOW_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION,
                                              *backward_ops.WINDOW_SDPA_BACKENDS]
-    current: dict[str, float] = {}
-    install_timers(current)
+    from finetune_throughput import install_timers  # benchmarks/, the script's directory
+
+    current = install_timers()
+    install_gc_timer(current)
     records: list[dict] = []
     observe = latency_model.OnlineLatencyModel.observe
     counts = [dict.fromkeys(ALLOCATOR, 0)]

@@ -176,6 +176,7 @@ def install_timers() -> dict[str, float]:
 
     totals: dict[str, float] = {}
     depth = {"n": 0}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def timed(name, fn, outermost=False):
         @functools.wraps(fn)
@@ -183,12 +184,12 @@ def install_timers() -> dict[str, float]:
             if outermost and depth["n"]:
                 return fn(*a, **k)
             depth["n"] += outermost
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                torch.cuda.synchronize()
+                sync()
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
                 depth["n"] -= outermost
         return wrapper
@@ -205,6 +206,9 @@ def install_timers() -> dict[str, float]:
     seq = layer_backward.SequenceBackward
     seq._attention_backward = timed("  attention backward", seq._attention_backward)
     window = layer_backward._Window
+    window.attention_graph = timed("    attention forward recompute", window.attention_graph)
+    finetune_runner.FinetuneRunner.start_sequences = timed(
+        "  sequence start", finetune_runner.FinetuneRunner.start_sequences)
     window._load = timed("  rematerialization + loads", window._load, outermost=True)
     finetune_runner.window_loss = timed("  window loss", finetune_runner.window_loss)
     AdapterOptimizer.step = timed("  optimizer", AdapterOptimizer.step)
