@@ -3,8 +3,14 @@
 The graph is split at S = dropout(x) A^T, the [T, r] tensor that is cheap to store:
   kernel 1 (`lora_train_shrink_fwd`): S, dropout fused into the shrink's loads, x read once;
   kernel 2 (`lora_train_linear_fwd`): y = x W^T + scaling * S B^T in one pass over y: each y tile
-  accumulates the base GEMM, then adds its [tile_m, r] x [r, tile_n] LoRA product before its one
+  adds its [tile_m, r] x [r, tile_n] LoRA product to the base GEMM's accumulator before its one
   store (no separate expand reading and writing y again).
+Kernel 2 has two forms (`base_gemm`). "blas" (the default): the Triton kernel writes only the LoRA
+term, and torch's GEMM (cuBLAS on CUDA) computes x W^T with that term as its C operand (beta = 1,
+`addmm_`), so the term is read in cuBLAS's epilogue and the compute-bound GEMM keeps cuBLAS's
+tiling; the cost over the plain GEMM is one write of the term. "triton": the base GEMM runs in the
+Triton kernel too (LoRAFusion's literal form); measured slower on Hopper, where these Triton GEMMs
+reached 0.5-0.75x of cuBLAS (docs/benchmarks.md, session 3), and kept for that comparison.
 Dropout is never stored: the keep mask is a counter-based hash of (seed, token, column), and the
 backward (lora_fused_train_bwd) regenerates it. Adapters are routed per token: meta's segments
 give each token's slot; a y row tile loops over the segments it overlaps (usually one), masking
@@ -21,7 +27,7 @@ import triton.language as tl
 
 from flexserve_kernels.lora_fused_train_ref import HASH_COLUMN, HASH_MIX1, HASH_MIX2, HASH_TOKEN
 from flexserve_kernels.lora_meta import LoRAKernelMeta
-from flexserve_kernels.lora_shrink import check_launchable
+from flexserve_kernels.lora_shrink import check_launchable, target_programs
 
 _HASH_TOKEN = tl.constexpr(HASH_TOKEN)
 _HASH_COLUMN = tl.constexpr(HASH_COLUMN)
@@ -54,8 +60,17 @@ class LoRATrainSlots:
 
 
 @triton.jit
-def dropout_keep(seed, rows, cols, p):
-    """[rows, cols] keep mask of dropout with probability p (same bits as dropout_keep_ref)."""
+def keep_threshold(p):
+    """The integer form of dropout probability p for `dropout_keep`: ceil(p * 2**24). The
+    reference keeps an element when (h >> 8) * 2**-24 >= p, both sides exact in fp32, which is
+    (h >> 8) >= ceil(p * 2**24): one integer compare per element instead of a convert and a multiply."""
+    return tl.ceil(p * 16777216.0).to(tl.uint32)
+
+
+@triton.jit
+def dropout_keep(seed, rows, cols, threshold):
+    """[rows, cols] keep mask of dropout with `keep_threshold(p)` (same bits as dropout_keep_ref).
+    Callers scale what they accumulate by 1 / (1 - p) once, not every kept element."""
     # seed is added last: Triton may pass a seed of 1 as a constant, which has no .to().
     h = rows.to(tl.uint32)[:, None] * _HASH_TOKEN + cols.to(tl.uint32)[None, :] * _HASH_COLUMN + seed
     h = h ^ (h >> 16)
@@ -63,17 +78,18 @@ def dropout_keep(seed, rows, cols, p):
     h = h ^ (h >> 15)
     h = h * _HASH_MIX2
     h = h ^ (h >> 16)
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0) >= p
+    return (h >> 8) >= threshold
 
 
 @triton.jit
 def _lora_train_shrink_fwd_kernel(
     x_ptr, a_ptr, s_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
-    in_size, max_rank, seed,
+    in_size, max_rank, seed, m_bucket,
     stride_xm, stride_as, stride_ar, stride_sm,
     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Grid: (segment, row tile of the segment); tiles past a segment's end exit.
+    # Grid: (segment, row tile of the segment); tiles past a segment's end exit. m_bucket (next
+    # power of two of the token count) is only the autotuner's key.
     seg = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg_len = tl.load(seg_lens_ptr + seg)
@@ -81,6 +97,7 @@ def _lora_train_shrink_fwd_kernel(
         return
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     p = tl.load(dropout_ps_ptr + slot)
+    threshold = keep_threshold(p)
     rows = tl.load(seg_starts_ptr + seg) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = tl.arange(0, BLOCK_M) < seg_len - pid_m * BLOCK_M
     offs_r = tl.arange(0, BLOCK_R)
@@ -94,12 +111,13 @@ def _lora_train_shrink_fwd_kernel(
         k_mask = offs_k < in_size - k
         x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if HAS_DROPOUT:
-            keep = dropout_keep(seed, rows, k + offs_k, p)
-            x_tile = tl.where(keep, x_tile.to(tl.float32) / (1.0 - p), 0.0).to(x_tile.dtype)
+            x_tile = tl.where(dropout_keep(seed, rows, k + offs_k, threshold), x_tile, 0.0)
         a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(x_tile, a_tile, acc, input_precision="ieee")
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    if HAS_DROPOUT:
+        acc = acc * (1.0 / (1.0 - p))  # dropout's scale, once per S element
     s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
     tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
@@ -132,10 +150,11 @@ def _lora_train_linear_fwd_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
     M, N, K, max_rank, m_bucket,
     stride_xm, stride_wn, stride_sm, stride_bs, stride_bn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    HAS_BASE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # m_bucket (next power of two of M) is only the autotuner's key.
+    # m_bucket (next power of two of M) is only the autotuner's key. Without HAS_BASE the tile
+    # holds the LoRA term alone (x and W are not read): base_gemm="blas" adds x W^T in cuBLAS.
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -146,13 +165,14 @@ def _lora_train_linear_fwd_kernel(
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x_tile, w_tile, acc, input_precision="ieee")
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if HAS_BASE:
+        for k in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k
+            x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(x_tile, w_tile, acc, input_precision="ieee")
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
     # Epilogue: + scaling * S B^T for each adapter segment the row tile overlaps.
     seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
@@ -181,6 +201,16 @@ FWD_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 
                      (128, 128, 32, 4, 4), (64, 64, 64, 4, 4))
 
 
+# Autotune candidates (BLOCK_M, BLOCK_K, num_warps, num_stages) of kernel 1 up to rank 32: it
+# streams x, so what matters is enough programs and bytes in flight.
+SHRINK_CONFIG_SHAPES = ((16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3),
+                        (64, 256, 8, 3))
+_shrink_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": m, "BLOCK_K": k}, num_warps=w, num_stages=s)
+             for m, k, w, s in SHRINK_CONFIG_SHAPES], key=["m_bucket", "in_size", "max_rank"])(
+    _lora_train_shrink_fwd_kernel)
+
+
 def gemm_configs(shapes: tuple[tuple[int, int, int, int, int], ...]) -> list[triton.Config]:
     """triton.Configs of (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples, grouped 8 row tiles."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
@@ -190,16 +220,48 @@ def gemm_configs(shapes: tuple[tuple[int, int, int, int, int], ...]) -> list[tri
 _linear_fwd_tuned = triton.autotune(configs=gemm_configs(FWD_CONFIG_SHAPES), key=["m_bucket", "N", "K", "max_rank"])(
     _lora_train_linear_fwd_kernel)
 
+# Candidates of the LoRA term alone (base_gemm="blas"): no main loop, so BLOCK_K and the stages do
+# not matter; the tile only sets how y's one store is spread over the GPU. Ranks above 32 keep
+# the first WIDE_RANK_TERM_CONFIGS only (the others spill there: ptxas, sm_90, triton 3.9, bf16,
+# rank 128; 64 x 128 x 4 warps: 384 bytes).
+TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (64, 128, 16, 4, 1), (64, 256, 16, 8, 1),
+                      (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (32, 256, 16, 4, 1))
+WIDE_RANK_TERM_CONFIGS = 1
+
+
+def prune_by_rank(wide_rank_configs: int):
+    """An autotuner `early_config_prune`: above rank 32 only the first `wide_rank_configs` candidates."""
+    def prune(configs, named_args, **kwargs):
+        return configs if named_args["max_rank"] <= 32 else configs[:wide_rank_configs]
+    return prune
+
+
+_linear_term_tuned = triton.autotune(
+    configs=gemm_configs(TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
+    prune_configs_by={"early_config_prune": prune_by_rank(WIDE_RANK_TERM_CONFIGS)})(
+    _lora_train_linear_fwd_kernel)
+BASE_GEMMS = ("blas", "triton")
+
+
+def check_base_gemm(base_gemm: str) -> None:
+    if base_gemm not in BASE_GEMMS:
+        raise ValueError(f"base_gemm must be one of {BASE_GEMMS}, got {base_gemm!r}")
+
 
 def token_segments(meta: LoRAKernelMeta) -> torch.Tensor:
-    """[T] int32: each token's segment index in meta, -1 for tokens without an adapter (no sync)."""
+    """[T] int32: each token's segment index in meta, -1 for tokens without an adapter (no sync);
+    built once per meta (`meta.token_segs`) and shared by every layer of the step."""
+    if meta.token_segs is not None:
+        return meta.token_segs
     tokens = torch.arange(meta.num_tokens, dtype=torch.int32, device=meta.token_slots.device)
     if meta.num_segments == 0:
-        return torch.full_like(tokens, -1)
+        meta.token_segs = torch.full_like(tokens, -1)
+        return meta.token_segs
     seg = torch.searchsorted(meta.seg_starts, tokens, right=True).to(torch.int32) - 1
     clamped = seg.clamp(min=0).long()
     inside = (seg >= 0) & (tokens < meta.seg_starts[clamped] + meta.seg_lens[clamped])
-    return torch.where(inside, seg, -1)
+    meta.token_segs = torch.where(inside, seg, -1)
+    return meta.token_segs
 
 
 def check_train_args(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -243,12 +305,24 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     s = torch.zeros(num_tokens, max_rank, dtype=x.dtype, device=x.device)
     if not meta.has_lora:
         return s
-    block_m = block_m or min(64, max(16, triton.next_power_of_2(meta.max_seg_len)))
+    tuned = block_m is None and block_k is None  # autotuned on CUDA up to rank 32
+    if block_m is None:
+        # The largest row tile (64, 32 or 16) that still gives about two programs per SM: this
+        # kernel streams x, and too few programs leave most SMs' bandwidth idle.
+        block_m = min(64, max(16, triton.next_power_of_2(meta.max_seg_len)))
+        while block_m > 16 and meta.num_tokens // block_m < target_programs(x.device):
+            block_m //= 2
+    args = (x, lora_a, s, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+            in_size, max_rank, seed, triton.next_power_of_2(num_tokens),
+            x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0))
+    if tuned and x.device.type == "cuda" and max_rank <= 32:
+        grid = lambda c: (meta.num_segments, triton.cdiv(meta.max_seg_len, c["BLOCK_M"]))  # noqa: E731
+        _shrink_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
+        return s
     block_k = block_k or (32 if x.dtype == torch.float32 else 128)
     grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m))
     _lora_train_shrink_fwd_kernel[grid](
-        x, lora_a, s, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-        in_size, max_rank, seed, x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0),
+        *args,
         # ptxas (sm_90, triton 3.9, bf16, 64 x 128 tiles of x): 116 registers at rank 16, 247 at 128.
         HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_R=rank_block(max_rank), BLOCK_K=block_k,
         num_warps=4 if max_rank <= 32 else 8, num_stages=3,
@@ -258,31 +332,38 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
 
 def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
                           meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor,
-                          *, blocks: tuple[int, int, int] | None = None,
+                          *, base_gemm: str = "blas", blocks: tuple[int, int, int] | None = None,
                           autotune: bool | None = None) -> torch.Tensor:
     """Kernel 2: y [T, out] = x W^T + scaling[slot] * S B[slot]^T, one pass over y.
 
-    The tiles are autotuned (FWD_CONFIG_SHAPES) when `autotune` (default: on CUDA), else
-    `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's tests).
+    base_gemm "blas": the kernel writes the LoRA term (zero rows for tokens without an adapter)
+    and `addmm_` adds x W^T to it in torch's GEMM; "triton": the kernel runs the GEMM too. The
+    tiles are autotuned (TERM_CONFIG_SHAPES, FWD_CONFIG_SHAPES) when `autotune` (default: on
+    CUDA), else `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's
+    tests).
     """
+    check_base_gemm(base_gemm)
     check_launchable(x, _lora_train_linear_fwd_kernel)
     num_tokens, in_size = x.shape
     out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
     y = torch.empty(num_tokens, out_size, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
+    has_base = base_gemm == "triton"
     args = (x, weight, s, lora_b, y, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
             num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens),
             x.stride(0), weight.stride(0), s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
     if autotune if autotune is not None else x.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"]),)  # noqa: E731
-        _linear_fwd_tuned[grid](*args, BLOCK_R=rank_block(max_rank))
-        return y
-    block_m, block_n, block_k = blocks or (16, 32, 32)
-    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
-    _lora_train_linear_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                        BLOCK_R=rank_block(max_rank), GROUP_M=4, num_warps=4, num_stages=3)
-    return y
+        tuned = _linear_fwd_tuned if has_base else _linear_term_tuned
+        tuned[grid](*args, HAS_BASE=has_base, BLOCK_R=rank_block(max_rank))
+    else:
+        block_m, block_n, block_k = blocks or (16, 32, 32)
+        grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
+        _lora_train_linear_fwd_kernel[grid](*args, HAS_BASE=has_base, BLOCK_M=block_m, BLOCK_N=block_n,
+                                            BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
+                                            num_warps=4, num_stages=3)
+    return y if has_base else y.addmm_(x, weight.t())
 
 
 class FusedLoRALinearFunction(torch.autograd.Function):
@@ -292,12 +373,12 @@ class FusedLoRALinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed):
+    def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed, base_gemm):
         token_segs = token_segments(meta)
         s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
-        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs)
+        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=base_gemm)
         ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
-        ctx.meta, ctx.slots, ctx.seed = meta, slots, seed
+        ctx.meta, ctx.slots, ctx.seed, ctx.base_gemm = meta, slots, seed, base_gemm
         return y
 
     @staticmethod
@@ -311,24 +392,26 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         ds, db = lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, seed)
+            dx = lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, seed, base_gemm=ctx.base_gemm)
         da = lora_train_da_bwd(x, ds, lora_a, meta, slots, seed)
-        return dx, None, da, db, None, None, None
+        return dx, None, da, db, None, None, None, None
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                      meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int) -> torch.Tensor:
+                      meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int, *, base_gemm: str = "blas") -> torch.Tensor:
     """Differentiable fused LoRA linear over x [..., in] (tokens flattened in order for meta).
 
     weight [out, in] is frozen (ValueError if it requires grad); lora_a [slots, r_max, in] and
     lora_b [slots, out, r_max] hold each slot's adapter zero-padded to r_max; seed in [0, 2**31)
-    fixes the dropout mask, regenerated in backward.
+    fixes the dropout mask, regenerated in backward. base_gemm picks where the frozen GEMMs of
+    kernels 2 and 4 run ("blas": torch's GEMM with the LoRA term as its C operand; "triton").
     """
+    check_base_gemm(base_gemm)
     if weight.requires_grad:
         raise ValueError("the base weight must be frozen (requires_grad=False) for the fused LoRA linear")
     if not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2**31), got {seed}")
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     check_train_args(flat, weight, lora_a, lora_b, meta, slots)
-    y = FusedLoRALinearFunction.apply(flat, weight, lora_a, lora_b, meta, slots, seed)
+    y = FusedLoRALinearFunction.apply(flat, weight, lora_a, lora_b, meta, slots, seed, base_gemm)
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -3,7 +3,8 @@
 Only x and S = dropout(x) A^T are kept from the forward; the dropout mask is regenerated.
   kernel 3 (`lora_train_ds_db_bwd`): dS = scaling dY B and dB = scaling dY^T S in one pass over dY;
   kernel 4 (`lora_train_dx_bwd`): dX = dY W + dropout'(dS A) in one pass over dX (LoRA in the
-  base GEMM's epilogue, dropout' = the same mask / (1 - p));
+  base GEMM's epilogue, dropout' = the same mask / (1 - p)); as in kernel 2, base_gemm "blas"
+  (default) has the kernel write the LoRA term and torch's GEMM add dY W in its epilogue;
   kernel 5 (`lora_train_da_bwd`): dA = dS^T dropout(x), a small GEMM over the adapter rows.
 dB and dA sum over tokens of a slot. Each program owns a chunk of rows of one segment and writes its
 partial sum; a second kernel adds a slot's partials in a fixed order. Nothing uses atomics, so
@@ -20,10 +21,14 @@ import triton
 import triton.language as tl
 
 from flexserve_kernels.lora_fused_train import (
+    WIDE_RANK_TERM_CONFIGS,
     LoRATrainSlots,
+    check_base_gemm,
     dropout_keep,
     gemm_configs,
     grouped_tile,
+    keep_threshold,
+    prune_by_rank,
     rank_block,
     tile_segments,
 )
@@ -104,6 +109,7 @@ def _lora_train_da_bwd_kernel(
         return
     slot, row_begin, row_stop = _chunk_rows(seg_starts_ptr, seg_slots_ptr, seg, seg_len, chunk, rows_per_chunk)
     p = tl.load(dropout_ps_ptr + slot)
+    threshold = keep_threshold(p)
     k_begin = split * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
@@ -121,11 +127,12 @@ def _lora_train_da_bwd_kernel(
             x_tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if HAS_DROPOUT:
-                keep = dropout_keep(seed, rows, cols, p)
-                x_tile = tl.where(keep, x_tile.to(tl.float32) / (1.0 - p), 0.0).to(x_tile.dtype)
+                x_tile = tl.where(dropout_keep(seed, rows, cols, threshold), x_tile, 0.0)
             ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
                               mask=m_mask[:, None] & r_mask[None, :], other=0.0)
             da_acc = tl.dot(tl.trans(ds_tile.to(x_tile.dtype)), x_tile, da_acc, input_precision="ieee")
+        if HAS_DROPOUT:
+            da_acc = da_acc * (1.0 / (1.0 - p))  # dropout's scale, once per dA element
         da_ptrs = da_part_ptr + item * stride_dai + offs_r[:, None] * stride_dar + cols[None, :]
         tl.store(da_ptrs, da_acc, mask=r_mask[:, None] & k_mask[None, :])
 
@@ -156,10 +163,11 @@ def _lora_train_dx_bwd_kernel(
     dy_ptr, w_ptr, ds_ptr, a_ptr, dx_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket,
     stride_dym, stride_wk, stride_dsm, stride_as, stride_ar, stride_dxm,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BASE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # dX [M, N=in] = dY [M, K=out] W [K, N]; m_bucket is only the autotuner's key.
+    # dX [M, N=in] = dY [M, K=out] W [K, N]; m_bucket is only the autotuner's key. Without
+    # HAS_BASE the tile holds the LoRA term alone (base_gemm="blas").
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -170,13 +178,14 @@ def _lora_train_dx_bwd_kernel(
     dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + offs_k[None, :]
     w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_wk + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        dy_tile = tl.load(dy_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
-        dy_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BASE:
+        for k in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k
+            dy_tile = tl.load(dy_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
+            dy_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
 
     # Epilogue: + dropout'(dS A[slot]) for each adapter segment the row tile overlaps.
     seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
@@ -191,11 +200,14 @@ def _lora_train_dx_bwd_kernel(
             slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
             a_tile = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + cols[None, :],
                              mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            ds_seg = tl.where(in_seg[:, None], ds_tile, 0.0).to(a_tile.dtype)
-            lora = tl.dot(ds_seg, a_tile, input_precision="ieee")
+            ds_seg = tl.where(in_seg[:, None], ds_tile, 0.0)
             if HAS_DROPOUT:
                 p = tl.load(dropout_ps_ptr + slot)
-                lora = tl.where(dropout_keep(seed, rows, cols, p), lora / (1.0 - p), 0.0)
+                # dropout's scale on dS ([BLOCK_M, r]) rather than on every element of the tile
+                ds_seg = ds_seg * (1.0 / (1.0 - p))
+            lora = tl.dot(ds_seg.to(a_tile.dtype), a_tile, input_precision="ieee")
+            if HAS_DROPOUT:
+                lora = tl.where(dropout_keep(seed, rows, cols, keep_threshold(p)), lora, 0.0)
             acc += lora
     tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxm + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
@@ -208,6 +220,13 @@ DX_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4,
                     (128, 64, 64, 4, 4), (128, 64, 64, 4, 3), (64, 256, 64, 8, 3), (64, 64, 64, 4, 4))
 _dx_bwd_tuned = triton.autotune(configs=gemm_configs(DX_CONFIG_SHAPES), key=["m_bucket", "N", "K", "max_rank"])(
     _lora_train_dx_bwd_kernel)
+# The LoRA term alone (base_gemm="blas"), with the dropout hash beside the accumulator; above
+# rank 32 only the first (ptxas, sm_90, triton 3.9, bf16: 32 x 128 x 4 warps spills at rank 128).
+DX_TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (128, 128, 16, 8, 1), (64, 256, 16, 8, 1),
+                         (64, 64, 16, 4, 1))
+_dx_term_tuned = triton.autotune(
+    configs=gemm_configs(DX_TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
+    prune_configs_by={"early_config_prune": prune_by_rank(WIDE_RANK_TERM_CONFIGS)})(_lora_train_dx_bwd_kernel)
 
 
 def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device):
@@ -291,10 +310,13 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
 
 def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor,
                       meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor, seed: int,
-                      *, blocks: tuple[int, int, int] | None = None, autotune: bool | None = None) -> torch.Tensor:
-    """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]) in one pass over dX; autotuned
-    (DX_CONFIG_SHAPES) when `autotune` (default: on CUDA), else `blocks` = (BLOCK_M, BLOCK_N over
-    in, BLOCK_K over out)."""
+                      *, base_gemm: str = "blas", blocks: tuple[int, int, int] | None = None,
+                      autotune: bool | None = None) -> torch.Tensor:
+    """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]) in one pass over dX; base_gemm as in
+    `lora_train_linear_fwd` ("blas": the kernel writes the LoRA term, `addmm_` adds dY W);
+    autotuned (DX_TERM_CONFIG_SHAPES, DX_CONFIG_SHAPES) when `autotune` (default: on CUDA), else
+    `blocks` = (BLOCK_M, BLOCK_N over in, BLOCK_K over out)."""
+    check_base_gemm(base_gemm)
     check_launchable(dy, _lora_train_dx_bwd_kernel)
     num_tokens, out_size = dy.shape
     in_size = weight.shape[1]
@@ -305,13 +327,15 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
     args = (dy, weight, ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
             num_tokens, in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens),
             dy.stride(0), weight.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
+    has_base = base_gemm == "triton"
     if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"]),)  # noqa: E731
-        _dx_bwd_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
-        return dx
-    block_m, block_n, block_k = blocks or (16, 32, 32)
-    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
-    _lora_train_dx_bwd_kernel[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4, num_warps=4,
-                                    num_stages=3)
-    return dx
+        tuned = _dx_bwd_tuned if has_base else _dx_term_tuned
+        tuned[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
+    else:
+        block_m, block_n, block_k = blocks or (16, 32, 32)
+        grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
+        _lora_train_dx_bwd_kernel[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m,
+                                        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
+                                        num_warps=4, num_stages=3)
+    return dx if has_base else dx.addmm_(dy, weight)

@@ -21,6 +21,9 @@ class LoRAKernelMeta:
     # the distinct slots of the batch (host side), so a linear whose slots hold no weights for
     # any of them skips its kernels; None (CUDA-graph capture): unknown, every linear runs them
     slots: frozenset[int] | None = None
+    # [T] int32 segment of each token, -1 without an adapter: built on first use by
+    # flexserve_kernels.lora_fused_train.token_segments and kept for the step's other layers
+    token_segs: torch.Tensor | None = None
 
     @property
     def num_segments(self) -> int:

@@ -85,12 +85,12 @@ def make_inputs(case: Case, dtype: torch.dtype = torch.float32, device: str = DE
     return as_dev(x), as_dev(weight), as_dev(lora_a), as_dev(lora_b), meta, scalings
 
 
-def run_both(case: Case, dtype: torch.dtype = torch.float32, seed: int = 11, scale: int = 1):
+def run_both(case: Case, dtype: torch.dtype = torch.float32, seed: int = 11, scale: int = 1, base_gemm: str = "blas"):
     """(fused y, dx, dA, dB), (reference y, dx, dA, dB), the reference in fp32 from the same inputs."""
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case, dtype, scale=scale)
     slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), x.device)
     leaves = [t.clone().requires_grad_() for t in (x, lora_a, lora_b)]
-    y = fused.fused_lora_linear(leaves[0], weight, leaves[1], leaves[2], meta, slots, seed)
+    y = fused.fused_lora_linear(leaves[0], weight, leaves[1], leaves[2], meta, slots, seed, base_gemm=base_gemm)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.device, dtype)
     y.backward(dy)
     ref_leaves = [t.float().clone().requires_grad_() for t in (x, lora_a, lora_b)]
@@ -109,9 +109,10 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -
     assert bool((err <= bound).all()), f"{name}: max error {worst:.3g} vs max |ref| {scale:.3g}"
 
 
+@pytest.mark.parametrize("base_gemm", ["blas", "triton"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_and_gradients_match_reference(name):
-    got, want = run_both(CASES[name])
+def test_forward_and_gradients_match_reference(name, base_gemm):
+    got, want = run_both(CASES[name], base_gemm=base_gemm)
     for label, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert g.shape == w.shape
         assert_close(f"{name} {label}", g, w, 1e-4)
@@ -191,6 +192,8 @@ def test_invalid_arguments_raise_value_error():
         fused.fused_lora_linear(x, weight, lora_a, lora_b[:, :-1], meta, slots, 0)
     with pytest.raises(ValueError, match="seed"):
         fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, -1)
+    with pytest.raises(ValueError, match="base_gemm"):
+        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="cutlass")
     with pytest.raises(ValueError, match="dropout"):
         fused.LoRATrainSlots.build([1.0], [1.0], DEVICE)
     with pytest.raises(ValueError, match="slot configs"):
@@ -200,9 +203,10 @@ def test_invalid_arguments_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("base_gemm", ["blas", "triton"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_bf16_gpu_matches_reference(name):
-    got, want = run_both(CASES[name], torch.bfloat16, scale=8)
+def test_bf16_gpu_matches_reference(name, base_gemm):
+    got, want = run_both(CASES[name], torch.bfloat16, scale=8, base_gemm=base_gemm)
     for label, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert g.dtype == torch.bfloat16
         assert_close(f"{name} {label}", g, w, 3e-2)
@@ -210,10 +214,11 @@ def test_bf16_gpu_matches_reference(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_gpu_autotuned_tiles_four_adapters():
+@pytest.mark.parametrize("base_gemm", ["blas", "triton"])
+def test_bf16_gpu_autotuned_tiles_four_adapters(base_gemm):
     # Autotuned 64-256-wide tiles over 4 adapters (ranks 16, 8, 16, 4), base rows between them.
     case = Case(128, 96, 16, (16, 8, 16, 4), (0.1, 0.0, 0.05, 0.1), (70, 9, 61, 33, 50), (0, -1, 1, 2, 3))
-    got, want = run_both(case, torch.bfloat16, scale=8)
+    got, want = run_both(case, torch.bfloat16, scale=8, base_gemm=base_gemm)
     for label, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert_close(f"4 adapters {label}", g, w, 3e-2)
 
@@ -256,12 +261,23 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False):
 for shapes, fn, extra in ((kf.FWD_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
                           (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True})):
     for c in kf.gemm_configs(shapes):
-        compile_one(fn, dict(c.kwargs, BLOCK_R=16, **extra), c.num_warps, c.num_stages, gemm=True)
+        compile_one(fn, dict(c.kwargs, BLOCK_R=16, HAS_BASE=True, **extra), c.num_warps, c.num_stages, gemm=True)
+# The LoRA terms alone (base_gemm="blas"), at ranks 16 and 128.
+for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
+                          (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True})):
+    for i, c in enumerate(kf.gemm_configs(shapes)):
+        # the candidates kept above rank 32
+        for rank in (16, 32) + ((64, 128) if i < kf.WIDE_RANK_TERM_CONFIGS else ()):
+            compile_one(fn, dict(c.kwargs, BLOCK_R=rank, HAS_BASE=False, **extra), c.num_warps, c.num_stages)
 # The small kernels with the launchers' CUDA blocks, at ranks 16 and 128.
 for rank in (16, 128):
     wide = rank <= 32
-    compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=64, BLOCK_R=rank, BLOCK_K=128),
-                4 if wide else 8, 3)
+    for block_m in (16, 32, 64):
+        compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=block_m, BLOCK_R=rank,
+                                                           BLOCK_K=128), 4 if wide else 8, 3)
+# Kernel 1's autotune candidates (used up to rank 32).
+for m, k, w, s in kf.SHRINK_CONFIG_SHAPES:
+    compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
     compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_R=rank),
                 4 if wide else 8, 3)
     compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=64 if wide else 32,
@@ -291,7 +307,8 @@ def test_benchmark_smoke_writes_json_lines(tmp_path):
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["path"] for r in rows) == ["base", "base", "fused", "fused_multi", "torch_lora", "torch_multi"]
+    assert sorted(r["path"] for r in rows) == ["base", "base", "fused", "fused_multi", "fused_multi_triton",
+                                               "fused_triton", "torch_lora", "torch_multi"]
     assert {r["num_adapters"] for r in rows} == {1, 4}
     assert all(r["fused_max_rel_err"] < 1e-5 and r["fwd_bwd_ms"] > 0 for r in rows)
 
@@ -315,17 +332,22 @@ def test_autotuned_launches_run_every_config(monkeypatch):
         calls.append(1)
         return [float(len(calls))] * 3  # the first config "wins"
 
-    monkeypatch.setattr(fused._linear_fwd_tuned, "_do_bench", run_once)
-    monkeypatch.setattr(fused_bwd._dx_bwd_tuned, "_do_bench", run_once)
+    for tuner in (fused._linear_fwd_tuned, fused._linear_term_tuned, fused_bwd._dx_bwd_tuned,
+                  fused_bwd._dx_term_tuned):
+        monkeypatch.setattr(tuner, "_do_bench", run_once)
     case = CASES["multi-r16.3.7-p0.1"]
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
     slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
     token_segs = fused.token_segments(meta)
     s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 3)
-    y = fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, autotune=True)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(x.shape[0], case.out_size, generator=torch.Generator().manual_seed(2))
     ds, _ = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
-    dx = fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, autotune=True)
-    assert len(calls) == len(fused.FWD_CONFIG_SHAPES) + len(fused_bwd.DX_CONFIG_SHAPES)
-    assert_close("y", y, fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
-    assert_close("dx", dx, fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
+    for base_gemm in ("blas", "triton"):
+        y = fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=base_gemm,
+                                        autotune=True)
+        dx = fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, base_gemm=base_gemm,
+                                         autotune=True)
+        assert_close("y", y, fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
+        assert_close("dx", dx, fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
+    assert len(calls) == sum(len(shapes) for shapes in (fused.FWD_CONFIG_SHAPES, fused.TERM_CONFIG_SHAPES,
+                                                        fused_bwd.DX_CONFIG_SHAPES, fused_bwd.DX_TERM_CONFIG_SHAPES))

@@ -3,10 +3,12 @@
 For n = k in {4096, 5120, 8192}, rank 16, m in {2048, 4096, 8192} tokens, bf16, times forward and
 forward + backward (CUDA events, median of --iters after --warmup calls, which also run the
 autotuner) of one LoRA linear:
-  fused       flexserve_kernels.lora_fused_train.fused_lora_linear (5 Triton kernels per step);
+  fused       flexserve_kernels.lora_fused_train.fused_lora_linear, base_gemm="blas": Triton for the
+              LoRA kernels, cuBLAS for the frozen GEMMs with the LoRA terms as their C operands;
+  fused_triton  the same with base_gemm="triton" (the frozen GEMMs in Triton too);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
   base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to.
-and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi vs torch_multi (the
+and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_triton) vs torch_multi (the
 unfused path per adapter: base F.linear once, each adapter's LoRA on its rows, one add). Gradients
 are to x, A and B (W frozen) in every LoRA path. Each case also records the fused path's max error
 vs torch at dropout 0 (relative to max |y|), so a broken kernel shows in the JSON.
@@ -43,6 +45,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="n = k values (default: LoRAFusion's)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="m values (default: LoRAFusion's)")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="also print each path's CUDA kernels (torch.profiler, ms per step)")
     return p.parse_args()
 
 
@@ -64,6 +70,23 @@ def time_ms(fn, warmup: int, iters: int, smoke: bool) -> float:
         torch.cuda.synchronize()
         times.append(begin.elapsed_time(end))
     return statistics.median(times)
+
+
+def kernel_ms(fn, iters: int, table: str | None = None) -> float:
+    """GPU milliseconds per fn() call: the sum of its CUDA kernels' times (torch.profiler), which
+    leaves out host launch overhead and idle gaps. With `table`, prints the kernels under it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if table:
+        tqdm.write(f"-- {table}")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+            tqdm.write(f"  {e.self_device_time_total / iters / 1e3:8.4f} ms  x{e.count // iters:<2d} {e.key[:110]}")
+    return sum(e.self_device_time_total for e in kernels) / iters / 1e3
 
 
 def peft_linear(weight: torch.Tensor, rank: int, alpha: float, dropout: float) -> torch.nn.Module:
@@ -113,9 +136,9 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     lora_b = (torch.randn(adapters, n, rank, generator=g) * 0.02).to(device, dtype).requires_grad_()
     leaves = [x, lora_a, lora_b]
 
-    def fused(p: float):
+    def fused(p: float, base_gemm: str = "blas"):
         slots = LoRATrainSlots.build([scaling] * adapters, [p] * adapters, device)
-        return lambda: fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, seed=1234)
+        return lambda: fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, seed=1234, base_gemm=base_gemm)
 
     if num_adapters == 0:
         torch_module = peft_linear(weight, rank, args.alpha, args.dropout)
@@ -141,18 +164,28 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
         got = fused(0.0)()
     max_rel_err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
-    paths = {names[0]: (fused(args.dropout), leaves), names[1]: (torch_path, torch_params),
-             "base": (lambda: F.linear(x, weight), [x])}
+    paths = {names[0]: (fused(args.dropout), leaves), f"{names[0]}_triton": (fused(args.dropout, "triton"), leaves),
+             names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x])}
     rows = []
     for path, (forward, params) in paths.items():
         fwd_ms = time_ms(step(forward, params, False), args.warmup, args.iters, args.smoke)
         fwd_bwd_ms = time_ms(step(forward, params, True), args.warmup, args.iters, args.smoke)
-        rows.append(dict(path=path, fwd_ms=round(fwd_ms, 4), fwd_bwd_ms=round(fwd_bwd_ms, 4)))
+        row = dict(path=path, fwd_ms=round(fwd_ms, 4), fwd_bwd_ms=round(fwd_bwd_ms, 4))
+        if not args.smoke:
+            label = f"{path} m={m} n=k={size}" if args.kernel_table else None
+            row.update(gpu_fwd_ms=round(kernel_ms(step(forward, params, False), args.iters), 4),
+                       gpu_fwd_bwd_ms=round(kernel_ms(step(forward, params, True), args.iters, label), 4))
+        rows.append(row)
     torch_ms = {r["path"]: r for r in rows}[names[1]]
+    base_ms = {r["path"]: r for r in rows}["base"]
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
                  fused_max_rel_err=max_rel_err, speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
-                 speedup_fwd_bwd_vs_torch=round(torch_ms["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3))
+                 speedup_fwd_bwd_vs_torch=round(torch_ms["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3),
+                 fwd_over_base=round(r["fwd_ms"] / base_ms["fwd_ms"], 3))
+        if "gpu_fwd_ms" in r:
+            r.update(gpu_speedup_fwd_bwd_vs_torch=round(torch_ms["gpu_fwd_bwd_ms"] / r["gpu_fwd_bwd_ms"], 3),
+                     gpu_fwd_over_base=round(r["gpu_fwd_ms"] / base_ms["gpu_fwd_ms"], 3))
     return rows
 
 
@@ -164,7 +197,7 @@ def main() -> None:
         args.warmup, args.iters = 0, 1
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    sizes, tokens = (SMOKE_SIZES, SMOKE_TOKENS) if args.smoke else (SIZES, TOKENS)
+    sizes, tokens = (SMOKE_SIZES, SMOKE_TOKENS) if args.smoke else (args.sizes or SIZES, args.tokens or TOKENS)
     device_name = "cpu-interpreter" if args.smoke else torch.cuda.get_device_name(device)
     adapter_cases = [0, args.multi_adapters] if args.multi_adapters else [0]
     todo = [(m, s, a) for a in adapter_cases for s in sizes for m in tokens]
