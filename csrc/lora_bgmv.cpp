@@ -18,15 +18,16 @@ namespace flexserve {
 cudaError_t bgmv_shrink_launch(int dtype, const void* x, const void* lora_a, const int32_t* token_slots,
                                float* s, int num_tokens, int in_size, int max_rank, int num_slots,
                                int64_t stride_xt, int64_t stride_as, int64_t stride_ar, int64_t stride_st,
-                               int num_sms, cudaStream_t stream);
+                               int num_sms, bool cluster_launch, cudaStream_t stream);
 cudaError_t bgmv_expand_launch(int dtype, const float* s, const void* lora_b, const int32_t* token_slots,
                                const float* scaling, void* y, int num_tokens, int out_size, int max_rank,
                                int num_slots, int64_t stride_st, int64_t stride_bs, int64_t stride_bn,
-                               int64_t stride_yt, cudaStream_t stream);
+                               int64_t stride_yt, int num_sms, cudaStream_t stream);
 
 namespace {
 
-// The expand stages one row of s in shared memory; 48 KiB is the default per-block limit.
+// The largest rank the expand takes (12288, what staging a row of s in 48 KiB of shared memory
+// allowed in an earlier version of the kernels; kept so the op accepts the same inputs).
 constexpr int64_t kMaxRank = 48 * 1024 / sizeof(float);
 
 int dtype_code(const at::Tensor& t, const char* name) {
@@ -41,17 +42,28 @@ int dtype_code(const at::Tensor& t, const char* name) {
   return -1;
 }
 
-// Multiprocessors of a device, read once (the shrink picks its rank tile from it).
-int num_sms(int device) {
-  static std::atomic<int> cached[256];
+// An attribute of a device, read once per (attribute, device): the launchers size their grids from
+// the multiprocessor count and split the shrink only where the device launches clusters.
+int device_attribute(cudaDeviceAttr attr, std::atomic<int> (&cache)[256], int device, const char* what) {
   const int index = device & 255;
-  int value = cached[index].load(std::memory_order_relaxed);
+  int value = cache[index].load(std::memory_order_relaxed);
   if (value == 0) {
-    const cudaError_t err = cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-    TORCH_CHECK(err == cudaSuccess, "lora_bgmv: reading the multiprocessor count failed: ", cudaGetErrorString(err));
-    cached[index].store(value, std::memory_order_relaxed);
+    const cudaError_t err = cudaDeviceGetAttribute(&value, attr, device);
+    TORCH_CHECK(err == cudaSuccess, "lora_bgmv: reading ", what, " failed: ", cudaGetErrorString(err));
+    value += 1;  // stored plus one: 0 means not read yet
+    cache[index].store(value, std::memory_order_relaxed);
   }
-  return value;
+  return value - 1;
+}
+
+int num_sms(int device) {
+  static std::atomic<int> cache[256];
+  return device_attribute(cudaDevAttrMultiProcessorCount, cache, device, "the multiprocessor count");
+}
+
+bool cluster_launch(int device) {
+  static std::atomic<int> cache[256];
+  return device_attribute(cudaDevAttrClusterLaunch, cache, device, "cluster launch support") != 0;
 }
 
 void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name) {
@@ -114,7 +126,7 @@ void lora_bgmv_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::T
       dtype, x.data_ptr(), lora_a.data_ptr(), token_slots.data_ptr<int32_t>(), s.data_ptr<float>(),
       static_cast<int>(num_tokens), static_cast<int>(in_size), static_cast<int>(max_rank),
       static_cast<int>(num_slots), x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0),
-      num_sms(x.get_device()), c10::cuda::getCurrentCUDAStream().stream());
+      num_sms(x.get_device()), cluster_launch(x.get_device()), c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "lora_bgmv_shrink launch failed: ", cudaGetErrorString(err));
 }
 
@@ -160,7 +172,7 @@ void lora_bgmv_expand(const at::Tensor& s, const at::Tensor& lora_b, const at::T
       dtype, s.data_ptr<float>(), lora_b.data_ptr(), token_slots.data_ptr<int32_t>(), scaling.data_ptr<float>(),
       y.data_ptr(), static_cast<int>(num_tokens), static_cast<int>(out_size), static_cast<int>(max_rank),
       static_cast<int>(num_slots), s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-      c10::cuda::getCurrentCUDAStream().stream());
+      num_sms(y.get_device()), c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "lora_bgmv_expand launch failed: ", cudaGetErrorString(err));
 }
 

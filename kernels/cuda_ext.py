@@ -7,10 +7,19 @@ $FLEXSERVE_HOME/torch_extensions/<torch>-cu<cuda>-sm<arch>) and registers
 (CPU torch, no GPU, no nvcc or ninja, a failed build) it returns None and logs the reason once;
 the layers then run the Triton kernels. FLEXSERVE_CUDA_EXT=0 turns the extension off.
 
+The kernels (csrc/lora_bgmv.cu says more): the shrink splits `in` into up to 8 chunks of about
+1024 elements, one block per (token, chunk, rank tile), and adds the chunks' sums in chunk order
+inside a thread block cluster (sm_90 and later; earlier GPUs keep `in` whole), so s is final when
+the op returns, with no workspace and no atomics; a token's s and y do not depend on the rest of
+its batch. The expand gives each output of B a group of lanes reading 16-byte chunks of its row.
+
 FLEXSERVE_LORA_DECODE_BACKEND picks what decode-only LoRA batches run on CUDA:
-    triton (default) Triton only: measured faster (H200, Llama-3.1-8B shapes, rank 16, 8 adapters,
-                    `benchmarks/kernels/lora_bgmv_cuda.py --part kernels`: down_proj BGMV pair
-                    8.3-11.1 us per layer in Triton vs 18.4-22.5 us with this extension, batch 1-64)
+    triton (default) Triton only. `benchmarks/kernels/lora_bgmv_cuda.py --part kernels` (H100,
+                    Llama-3.1-8B shapes, rank 16, 8 adapters, 32 layers in a CUDA graph), us
+                    per layer of the down_proj BGMV pair, Triton vs this split-K version:
+                    6.3 vs 5.5 at batch 1, 9.8 vs 8.9 at 16, 11.7 vs 19.1 at 64 (the first
+                    version, without the split: 18.4-22.5 vs Triton's 8.3-11.1 on an H200).
+                    Slower at 64, so the default stays Triton; no end-to-end TPOT measured.
     auto            the CUDA BGMV pair for projections outside the fused Triton groups (down_proj),
                     the fused Triton kernel for q/k/v, o, gate/up; Triton BGMV without the extension
     cuda            the CUDA BGMV pair for every projection (the fused Triton kernel is skipped)
@@ -112,8 +121,9 @@ def cuda_decode_replaces_fused(device: torch.device | str, meta: LoRAKernelMeta)
 
 
 def lora_shrink_cuda(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
-    """s [T, max_rank] float32 = x[t] @ lora_a[token_slots[t]].T, zero rows for slot -1, on the
-    extension (which must be loaded: `cuda_bgmv_available`)."""
+    """s [T, max_rank] float32 = x[t] @ lora_a[token_slots[t]].T, zero rows for slot -1 (or a slot
+    past lora_a's last), on the extension (which must be loaded: `cuda_bgmv_available`). s is final
+    when this returns: the shrink adds its split-K partial sums itself (no workspace)."""
     _check_args("lora_shrink_cuda", token_slots, (x, 2, "x"), (lora_a, 3, "lora_a"))
     if lora_a.dtype != x.dtype or lora_a.shape[2] != x.shape[1]:
         raise ValueError(f"lora_shrink_cuda: lora_a {tuple(lora_a.shape)} {lora_a.dtype} does not "

@@ -1,14 +1,17 @@
 """The CUDA C++ BGMV decode extension (csrc/lora_bgmv.{cu,cpp}, flexserve_kernels.cuda_ext).
 
 On CPU (CI): the loader declines with a logged reason (CPU torch or no GPU), FLEXSERVE_CUDA_EXT=0
-and FLEXSERVE_LORA_DECODE_BACKEND are honored, and the sources compile for sm_90 with this
-machine's nvcc (the kernel file, with ptxas's spill report) and g++ (the torch binding, syntax
-only, against the wheel's headers).
+and FLEXSERVE_LORA_DECODE_BACKEND are honored, and the sources compile with this machine's nvcc
+(the kernel file for sm_90, with ptxas's spill report, and for sm_80, the path without thread
+block clusters) and g++ (the torch binding, syntax only, against the wheel's headers).
 
 On a GPU (marked gpu): the extension builds, its shrink and expand match the torch references in
-lora_ref on odd shapes, ranks 1..64, rows without an adapter and several adapters; bad inputs raise
-ValueError; the ops replay inside a CUDA graph; and a LoRA decode batch through the engine scores
-the same tokens with the extension as with Triton.
+lora_ref on odd shapes (inputs that are no multiple of the shrink's split chunk or of the 16-byte
+vector, one token of down_proj's 14336 inputs), ranks 1..128, rows without an adapter (slot -1 or
+past the last slot), several adapters and strided rows; a token's results do not depend on the
+rest of its batch (bit for bit); bad inputs raise ValueError; the ops replay inside a CUDA graph;
+and a LoRA decode batch through the engine scores the same tokens with the extension as with
+Triton.
 
 Tolerances: the shrink accumulates x * A in float32 in another order than the reference's float32
 matmul (rel 1e-5 on fp32/bf16 inputs, both exact products of the rounded inputs). The expand rounds
@@ -100,7 +103,8 @@ def test_sources_are_found_and_packaged():
     assert '"flexserve_kernels.csrc" = ["*.cu", "*.cpp"]' in pyproject
 
 
-def test_kernel_file_compiles_for_sm90_without_spills(tmp_path):
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_kernel_file_compiles_without_spills(arch, tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed")
@@ -108,17 +112,18 @@ def test_kernel_file_compiles_for_sm90_without_spills(tmp_path):
 
     source = cuda_ext.source_dir() / "lora_bgmv.cu"
     # The flags torch.utils.cpp_extension builds it with (no implicit half/bf16 conversions).
-    result = subprocess.run([nvcc, *COMMON_NVCC_FLAGS, "-arch=sm_90", "-O3", "-std=c++17", "-Xptxas", "-v",
+    result = subprocess.run([nvcc, *COMMON_NVCC_FLAGS, f"-arch={arch}", "-O3", "-std=c++17", "-Xptxas", "-v",
                              "-c", str(source), "-o", str(tmp_path / "lora_bgmv.o")],
                             capture_output=True, text=True, timeout=300)
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-4000:]
-    entries = re.findall(r"Compiling entry function '(\w+)' for 'sm_90'", report)
-    # 2 shrink rank tiles x 2 load widths x 3 dtypes, 2 expand load widths x 3 dtypes.
-    assert sum("bgmv_shrink_kernel" in e for e in entries) == 12
-    assert sum("bgmv_expand_kernel" in e for e in entries) == 6
+    assert "warning" not in report, report[-4000:]
+    entries = re.findall(rf"Compiling entry function '(\w+)' for '{arch}'", report)
+    # 3 shrink rank tiles x 2 load widths x 3 dtypes; 2 expand output counts x 2 load widths x 3 dtypes.
+    assert sum("bgmv_shrink_kernel" in e for e in entries) == 18
+    assert sum("bgmv_expand_kernel" in e for e in entries) == 12
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(spills) == 18 and all(a == "0" and b == "0" for a, b in spills), report[-4000:]
+    assert len(spills) == 30 and all(a == "0" and b == "0" for a, b in spills), report[-4000:]
 
 
 def test_binding_compiles_against_the_torch_headers(tmp_path):
@@ -175,8 +180,12 @@ def _expand_expected(s, lora_b, meta, y, scaling):
 SHAPES = [  # (tokens, in, out, max_rank, slots): odd sizes take the unvectorized kernels
     (1, 4096, 1024, 16, 8), (7, 4095, 513, 7, 3), (33, 14336, 4096, 16, 8), (64, 4096, 14336, 64, 8),
     (5, 96, 40, 1, 2), (17, 1000, 3000, 33, 4),
-    # tokens x rank tiles of 16 >= 2 x 132 SMs: the wide rank tile, vectorized and not
+    # tokens x rank tiles of 16 >= 1.5 x 132 SMs: the wide rank tile, vectorized and not
     (300, 1024, 256, 16, 8), (70, 999, 100, 64, 5),
+    # down_proj's input for one token (8 chunks of 1792, rank tile 1); 14337 splits unvectorized
+    (1, 14336, 4096, 16, 8), (3, 14337, 4096, 16, 8),
+    # chunks that are no multiple of 128 vectors; ranks 1, 33 (a partial tile and chunk) and 128
+    (2, 3000, 700, 1, 3), (5, 5000, 1000, 33, 4), (9, 4096, 1024, 128, 2), (64, 14336, 1024, 128, 8),
 ]
 # (atol, rtol) on y: one ulp of y (bf16 2**-7, fp16 2**-10 relative) for a rounding that flips
 TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}
@@ -224,6 +233,79 @@ def test_expand_into_a_column_slice_leaves_other_columns():
     ops.expand(s, lora_b, meta.token_slots, scaling, y)
     torch.testing.assert_close(wide[:, 256:640], expected, atol=2e-2, rtol=1.6e-2)
     assert torch.equal(wide[:, :256], before[:, :256]) and torch.equal(wide[:, 640:], before[:, 640:])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("in_size", [14339, 4102, 77])
+def test_strided_rows_with_a_tail_past_the_last_vector(in_size, dtype):
+    # x, lora_a and y are column slices of padded tensors: rows 16-byte aligned (the vectorized
+    # kernels) while in_size is no multiple of the vector, so the last chunk takes a scalar tail.
+    _ops()
+    meta, x, lora_a, lora_b, scaling, y = _case(6, in_size, 520, 16, 4, dtype, seed=in_size)
+    row = (in_size + 7) // 8 * 8 + 8  # a whole number of 16-byte vectors in every dtype
+    x_wide = torch.zeros(6, row, device="cuda", dtype=dtype)
+    x_wide[:, :in_size] = x
+    a_wide = torch.zeros(4, 16, row, device="cuda", dtype=dtype)
+    a_wide[..., :in_size] = lora_a
+    y_wide = torch.randn(6, 1024, device="cuda", dtype=dtype)
+    y_wide[:, 256:776] = y
+    x_view, a_view, y_view = x_wide[:, :in_size], a_wide[..., :in_size], y_wide[:, 256:776]
+    assert x_view.stride(0) == row and a_view.stride(1) == row and in_size % 4 != 0
+    s = cuda_ext.lora_shrink_cuda(x_view, a_view, meta.token_slots)
+    torch.testing.assert_close(s, lora_shrink_ref(x, lora_a, meta), atol=2e-4, rtol=1e-5)
+    before = y_wide.clone()
+    expected = _expand_expected(s, lora_b, meta, y, scaling)
+    cuda_ext.lora_expand_cuda(s, lora_b, meta.token_slots, y_view, scaling)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(y_wide[:, 256:776], expected, atol=atol, rtol=rtol)
+    assert torch.equal(y_wide[:, :256], before[:, :256]) and torch.equal(y_wide[:, 776:], before[:, 776:])
+
+
+@gpu
+@pytest.mark.parametrize("in_size", [14336, 4096])
+def test_rows_without_adapter_on_the_split_path(in_size):
+    # Slot -1 and a slot past the last one: s's row is zero, y's row untouched (one token, and one
+    # token among several, so every rank tile and chunk of the split grid meets such a row).
+    ops = _ops()
+    for slots in ([-1], [4], [2, -1, 4, 0]):
+        meta, x, lora_a, lora_b, scaling, y = _case(len(slots), in_size, 4096, 16, 4, torch.bfloat16, seed=7)
+        token_slots = torch.tensor(slots, dtype=torch.int32, device="cuda")
+        s = torch.full((len(slots), 16), float("nan"), device="cuda")
+        ops.shrink(x, lora_a, token_slots, s)
+        base = y.clone()
+        ops.expand(s, lora_b, token_slots, scaling, y)
+        for t, slot in enumerate(slots):
+            if 0 <= slot < 4:
+                row_meta = LoRAKernelMeta.build([1], [slot], "cuda")
+                torch.testing.assert_close(s[t : t + 1], lora_shrink_ref(x[t : t + 1], lora_a, row_meta),
+                                           atol=2e-4, rtol=1e-5)
+                assert not torch.equal(y[t], base[t])
+            else:
+                assert torch.equal(s[t], torch.zeros(16, device="cuda"))
+                assert torch.equal(y[t], base[t])
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(64, 14336, 4096, 16, 8), (48, 4096, 1024, 33, 5), (40, 3000, 700, 128, 3)],
+                         ids=["down", "r33", "r128"])
+def test_a_tokens_results_do_not_depend_on_its_batch(shape):
+    # The shrink's split of `in` follows in_size alone and its rank tile (picked from the batch)
+    # changes no rank's order of summation; the expand's order follows the rank alone. So a token
+    # alone gets the same bits as inside a batch of 40-64 (different rank tiles and output counts).
+    ops = _ops()
+    meta, x, lora_a, lora_b, scaling, y = _case(*shape, torch.bfloat16, seed=13)
+    num_tokens, max_rank = shape[0], shape[3]
+    s = torch.empty(num_tokens, max_rank, device="cuda")
+    ops.shrink(x, lora_a, meta.token_slots, s)
+    y_batch = y.clone()
+    ops.expand(s, lora_b, meta.token_slots, scaling, y_batch)
+    for t in (0, 2, num_tokens - 1):
+        s_one = torch.empty(1, max_rank, device="cuda")
+        ops.shrink(x[t : t + 1], lora_a, meta.token_slots[t : t + 1], s_one)
+        y_one = y[t : t + 1].clone()
+        ops.expand(s_one, lora_b, meta.token_slots[t : t + 1], scaling, y_one)
+        assert torch.equal(s_one[0], s[t]) and torch.equal(y_one[0], y_batch[t])
 
 
 @gpu
