@@ -244,6 +244,7 @@ BASE_GEMMS = ("blas", "triton")
 
 
 def check_base_gemm(base_gemm: str) -> None:
+    """ValueError unless base_gemm is one of BASE_GEMMS."""
     if base_gemm not in BASE_GEMMS:
         raise ValueError(f"base_gemm must be one of {BASE_GEMMS}, got {base_gemm!r}")
 
@@ -298,27 +299,28 @@ def rank_block(max_rank: int) -> int:
 
 def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
                           seed: int, *, block_m: int | None = None, block_k: int | None = None) -> torch.Tensor:
-    """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype, zero rows for tokens without an adapter."""
+    """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype, zero rows for tokens without an adapter.
+
+    Autotuned (SHRINK_CONFIG_SHAPES) on CUDA up to rank 32 unless block_m or block_k is given."""
     check_launchable(x, _lora_train_shrink_fwd_kernel)
     num_tokens, in_size = x.shape
     max_rank = lora_a.shape[1]
     s = torch.zeros(num_tokens, max_rank, dtype=x.dtype, device=x.device)
     if not meta.has_lora:
         return s
-    tuned = block_m is None and block_k is None  # autotuned on CUDA up to rank 32
+    args = (x, lora_a, s, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+            in_size, max_rank, seed, triton.next_power_of_2(num_tokens),
+            x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0))
+    if block_m is None and block_k is None and x.device.type == "cuda" and max_rank <= 32:
+        grid = lambda c: (meta.num_segments, triton.cdiv(meta.max_seg_len, c["BLOCK_M"]))  # noqa: E731
+        _shrink_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
+        return s
     if block_m is None:
         # The largest row tile (64, 32 or 16) that still gives about two programs per SM: this
         # kernel streams x, and too few programs leave most SMs' bandwidth idle.
         block_m = min(64, max(16, triton.next_power_of_2(meta.max_seg_len)))
         while block_m > 16 and meta.num_tokens // block_m < target_programs(x.device):
             block_m //= 2
-    args = (x, lora_a, s, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-            in_size, max_rank, seed, triton.next_power_of_2(num_tokens),
-            x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0))
-    if tuned and x.device.type == "cuda" and max_rank <= 32:
-        grid = lambda c: (meta.num_segments, triton.cdiv(meta.max_seg_len, c["BLOCK_M"]))  # noqa: E731
-        _shrink_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
-        return s
     block_k = block_k or (32 if x.dtype == torch.float32 else 128)
     grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m))
     _lora_train_shrink_fwd_kernel[grid](
