@@ -229,16 +229,15 @@ TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (64, 128, 16, 4,
 WIDE_RANK_TERM_CONFIGS = 1
 
 
-def prune_by_rank(wide_rank_configs: int):
-    """An autotuner `early_config_prune`: above rank 32 only the first `wide_rank_configs` candidates."""
-    def prune(configs, named_args, **kwargs):
-        return configs if named_args["max_rank"] <= 32 else configs[:wide_rank_configs]
-    return prune
+def prune_by_rank(configs, named_args, **kwargs):
+    """The term kernels' autotuner `early_config_prune`: above rank 32, only the first
+    WIDE_RANK_TERM_CONFIGS candidates."""
+    return configs if named_args["max_rank"] <= 32 else configs[:WIDE_RANK_TERM_CONFIGS]
 
 
 _linear_term_tuned = triton.autotune(
     configs=gemm_configs(TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
-    prune_configs_by={"early_config_prune": prune_by_rank(WIDE_RANK_TERM_CONFIGS)})(
+    prune_configs_by={"early_config_prune": prune_by_rank})(
     _lora_train_linear_fwd_kernel)
 BASE_GEMMS = ("blas", "triton")
 

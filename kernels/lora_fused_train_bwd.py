@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from flexserve_kernels.lora_fused_train import (
-    WIDE_RANK_TERM_CONFIGS,
     LoRATrainSlots,
     check_base_gemm,
     dropout_keep,
@@ -226,7 +225,7 @@ DX_TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (128, 128, 16
                          (64, 64, 16, 4, 1))
 _dx_term_tuned = triton.autotune(
     configs=gemm_configs(DX_TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
-    prune_configs_by={"early_config_prune": prune_by_rank(WIDE_RANK_TERM_CONFIGS)})(_lora_train_dx_bwd_kernel)
+    prune_configs_by={"early_config_prune": prune_by_rank})(_lora_train_dx_bwd_kernel)
 
 
 def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device):
