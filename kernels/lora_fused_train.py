@@ -146,6 +146,29 @@ def tile_segments(token_segs_ptr, rows, num_rows):
 
 
 @triton.jit
+def add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                      seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn, BLOCK_R: tl.constexpr):
+    """acc [rows, cols] + scaling * S B^T for each adapter segment the row tile overlaps (kernel 2's
+    epilogue, the same in every form of it)."""
+    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < max_rank
+    if seg_end > seg_first:
+        s_tile = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+                         mask=(rows < M)[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+        for seg in range(seg_first, seg_end):
+            start = tl.load(seg_starts_ptr + seg)
+            in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
+            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+            scaled = tl.where(in_seg[:, None], s_tile * tl.load(scalings_ptr + slot), 0.0)
+            # lora_b[slot] is [out, max_rank]; read as its transpose [BLOCK_R, BLOCK_N].
+            b_tile = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                             mask=r_mask[:, None] & (cols < N)[None, :], other=0.0)
+            acc = tl.dot(scaled.to(b_tile.dtype), b_tile, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _lora_train_linear_fwd_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
     M, N, K, max_rank, m_bucket,
@@ -174,22 +197,8 @@ def _lora_train_linear_fwd_kernel(
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
 
-    # Epilogue: + scaling * S B^T for each adapter segment the row tile overlaps.
-    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < max_rank
-    if seg_end > seg_first:
-        s_tile = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
-                         mask=m_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-        for seg in range(seg_first, seg_end):
-            start = tl.load(seg_starts_ptr + seg)
-            in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
-            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-            scaled = tl.where(in_seg[:, None], s_tile * tl.load(scalings_ptr + slot), 0.0)
-            # lora_b[slot] is [out, max_rank]; read as its transpose [BLOCK_R, BLOCK_N].
-            b_tile = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(scaled.to(b_tile.dtype), b_tile, acc, input_precision="ieee")
+    acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                            seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn, BLOCK_R)
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -239,7 +248,7 @@ _linear_term_tuned = triton.autotune(
     configs=gemm_configs(TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
     prune_configs_by={"early_config_prune": prune_by_rank})(
     _lora_train_linear_fwd_kernel)
-BASE_GEMMS = ("blas", "triton")
+BASE_GEMMS = ("blas", "triton", "tma")
 
 
 def check_base_gemm(base_gemm: str) -> None:
@@ -349,6 +358,11 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
     out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
     y = torch.empty(num_tokens, out_size, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
+        return y
+    if base_gemm == "tma":
+        from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+
+        linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None if autotune else blocks)
         return y
     has_base = base_gemm == "triton"
     args = (x, weight, s, lora_b, y, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,

@@ -158,6 +158,36 @@ def _lora_train_slot_reduce_kernel(
 
 
 @triton.jit
+def add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+                     dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    """acc [rows, cols of in] + dropout'(dS A[slot]) for each adapter segment the row tile overlaps
+    (kernel 4's epilogue, the same in every form of it)."""
+    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < max_rank
+    if seg_end > seg_first:
+        ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
+                          mask=(rows < M)[:, None] & r_mask[None, :], other=0.0)
+        for seg in range(seg_first, seg_end):
+            start = tl.load(seg_starts_ptr + seg)
+            in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
+            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+            a_tile = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + cols[None, :],
+                             mask=r_mask[:, None] & (cols < N)[None, :], other=0.0)
+            ds_seg = tl.where(in_seg[:, None], ds_tile, 0.0)
+            if HAS_DROPOUT:
+                p = tl.load(dropout_ps_ptr + slot)
+                # dropout's scale on dS ([BLOCK_M, r]) rather than on every element of the tile
+                ds_seg = ds_seg * (1.0 / (1.0 - p))
+            lora = tl.dot(ds_seg.to(a_tile.dtype), a_tile, input_precision="ieee")
+            if HAS_DROPOUT:
+                lora = tl.where(dropout_keep(seed, rows, cols, keep_threshold(p)), lora, 0.0)
+            acc += lora
+    return acc
+
+
+@triton.jit
 def _lora_train_dx_bwd_kernel(
     dy_ptr, w_ptr, ds_ptr, a_ptr, dx_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket,
@@ -186,28 +216,9 @@ def _lora_train_dx_bwd_kernel(
             dy_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
 
-    # Epilogue: + dropout'(dS A[slot]) for each adapter segment the row tile overlaps.
-    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < max_rank
-    if seg_end > seg_first:
-        ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
-                          mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        for seg in range(seg_first, seg_end):
-            start = tl.load(seg_starts_ptr + seg)
-            in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
-            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-            a_tile = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + cols[None, :],
-                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            ds_seg = tl.where(in_seg[:, None], ds_tile, 0.0)
-            if HAS_DROPOUT:
-                p = tl.load(dropout_ps_ptr + slot)
-                # dropout's scale on dS ([BLOCK_M, r]) rather than on every element of the tile
-                ds_seg = ds_seg * (1.0 / (1.0 - p))
-            lora = tl.dot(ds_seg.to(a_tile.dtype), a_tile, input_precision="ieee")
-            if HAS_DROPOUT:
-                lora = tl.where(dropout_keep(seed, rows, cols, keep_threshold(p)), lora, 0.0)
-            acc += lora
+    acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                           seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
+                           HAS_DROPOUT, BLOCK_R)
     tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxm + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -322,6 +333,11 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
     max_rank = lora_a.shape[1]
     dx = torch.empty(num_tokens, in_size, dtype=dy.dtype, device=dy.device)
     if num_tokens == 0:
+        return dx
+    if base_gemm == "tma":
+        from flexserve_kernels.lora_fused_train_tma import dx_bwd_tma
+
+        dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None if autotune else blocks)
         return dx
     args = (dy, weight, ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
             num_tokens, in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens),

@@ -122,6 +122,28 @@ def test_forward_and_gradients_match_reference(name, base_gemm):
         assert bool((got[2][slot, rank:] == 0).all()) and bool((got[3][slot, :, rank:] == 0).all())
 
 
+# base_gemm="tma" reads x, W and dY through tensor descriptors, whose rows must start at 16-byte
+# boundaries: in and out sizes are multiples of 8 here (bf16 and fp32 alike); tokens stay odd.
+TMA_CASE = Case(40, 56, 16, (16, 3, 7), (0.1, 0.0, 0.1), (5, 4, 7, 6, 3, 2), (0, -1, 1, 2, 0, -1))
+
+
+def test_tma_form_matches_reference():
+    got, want = run_both(TMA_CASE, base_gemm="tma")
+    for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
+        assert_close(name, g, w, 1e-4)
+
+
+def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
+    x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r1-p0"])  # in = 33: 132-byte rows
+    slots = fused.LoRATrainSlots.build(scalings, [0.0], x.device)
+    with pytest.raises(ValueError, match="16-byte"):
+        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
+    x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r128-p0.1"])  # aligned, rank 128
+    slots = fused.LoRATrainSlots.build(scalings, [0.1], x.device)
+    with pytest.raises(ValueError, match="ranks up to 32"):
+        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
+
+
 def test_shrink_applies_the_reference_dropout_mask():
     # A = identity makes S = dropout(x) itself: the kernel's mask is the reference hash, per slot p.
     num_tokens, in_size = 23, 16
@@ -203,9 +225,11 @@ def test_invalid_arguments_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton"])
+@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_gpu_matches_reference(name, base_gemm):
+    if base_gemm == "tma" and CASES[name].max_rank > 32:
+        pytest.skip("base_gemm='tma' takes ranks up to 32")
     got, want = run_both(CASES[name], torch.bfloat16, scale=8, base_gemm=base_gemm)
     for label, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert g.dtype == torch.bfloat16
@@ -214,7 +238,7 @@ def test_bf16_gpu_matches_reference(name, base_gemm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton"])
+@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma"])
 def test_bf16_gpu_autotuned_tiles_four_adapters(base_gemm):
     # Autotuned 64-256-wide tiles over 4 adapters (ranks 16, 8, 16, 4), base rows between them.
     case = Case(128, 96, 16, (16, 8, 16, 4), (0.1, 0.0, 0.05, 0.1), (70, 9, 61, 33, 50), (0, -1, 1, 2, 3))
@@ -239,22 +263,27 @@ from flexserve_kernels import lora_fused_train_bwd as kb
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
 
-def compile_one(fn, consts, num_warps, num_stages, gemm=False):
+def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             sig[name] = "constexpr"
             continue
+        if name.endswith("_desc"):  # base_gemm="tma": a tensor descriptor of the config's block
+            rows, cols = descs[name]
+            sig[name] = f"tensordesc<bf16[{consts[rows]}, {consts[cols]}]>"
+            continue
         if name.endswith("_ptr"):
             sig[name] = "*fp32" if name in FP32 else "*i32" if "seg" in name else "*bf16"
         else:
             sig[name] = "i32"
-        if name not in ("seed", "max_rank"):  # 16-aligned pointers, sizes and strides (Llama's)
+        if name not in ("seed", "max_rank", "num_programs"):  # 16-aligned pointers, sizes and strides (Llama's)
             attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ttgir = kernel.asm["ttgir"]
-    if gemm and ("async_copy_global_to_local" not in ttgir or "warp_group_dot" not in ttgir):
+    copy = "async_tma_copy_global_to_local" if descs else "async_copy_global_to_local"
+    if gemm and (copy not in ttgir or "warp_group_dot" not in ttgir):
         sys.exit(f"{fn.__name__} {consts}: the main loop is not pipelined onto wgmma")
     check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
@@ -284,6 +313,15 @@ for m, k, w, s in kf.SHRINK_CONFIG_SHAPES:
                                                    BLOCK_K=128 if wide else 64,
                                                    BLOCK_R=rank), 8, 3)
 compile_one(kb._lora_train_slot_reduce_kernel, dict(BLOCK=1024), 4, 1)
+# base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
+from flexserve_kernels import lora_fused_train_tma as kt
+for shapes, fn, operands, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel, kt._FWD_OPERANDS, {}),
+                                    (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
+                                     {"HAS_DROPOUT": True})):
+    for c in kt._configs(shapes, operands):
+        for rank in (16, kt.MAX_TMA_RANK):
+            compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages, gemm=True,
+                        descs={name: (rows, cols) for name, rows, cols in operands})
 print("ok")
 """
 
@@ -307,10 +345,12 @@ def test_benchmark_smoke_writes_json_lines(tmp_path):
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["path"] for r in rows) == ["base", "base", "fused", "fused_multi", "fused_multi_triton",
-                                               "fused_triton", "torch_lora", "torch_multi"]
+    assert sorted(r["path"] for r in rows) == ["base", "base", "fused", "fused_multi", "fused_multi_tma",
+                                               "fused_multi_triton", "fused_tma", "fused_triton", "torch_lora",
+                                               "torch_multi"]
     assert {r["num_adapters"] for r in rows} == {1, 4}
-    assert all(r["fused_max_rel_err"] < 1e-5 and r["fwd_bwd_ms"] > 0 for r in rows)
+    assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_tma_max_rel_err"] < 1e-5 and r["fwd_bwd_ms"] > 0
+               for r in rows)
 
 
 def test_batch_without_adapter_tokens_is_the_base_linear():

@@ -6,6 +6,8 @@ autotuner) of one LoRA linear:
   fused       flexserve_kernels.lora_fused_train.fused_lora_linear, base_gemm="blas": Triton for the
               LoRA kernels, cuBLAS for the frozen GEMMs with the LoRA terms as their C operands;
   fused_triton  the same with base_gemm="triton" (the frozen GEMMs in Triton too);
+  fused_tma   the same with base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the
+              LoRA products in their accumulators: no LoRA term through memory);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
   base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to.
 and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_triton) vs torch_multi (the
@@ -161,10 +163,11 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
         with torch.no_grad():
             want = torch_multi(0.0)
     with torch.no_grad():
-        got = fused(0.0)()
-    max_rel_err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        errs = {gemm: ((fused(0.0, gemm)().float() - want.float()).abs().max() / want.float().abs().max()).item()
+                for gemm in ("blas", "tma")}
 
     paths = {names[0]: (fused(args.dropout), leaves), f"{names[0]}_triton": (fused(args.dropout, "triton"), leaves),
+             f"{names[0]}_tma": (fused(args.dropout, "tma"), leaves),
              names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x])}
     rows = []
     for path, (forward, params) in paths.items():
@@ -180,7 +183,7 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     base_ms = {r["path"]: r for r in rows}["base"]
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
-                 fused_max_rel_err=max_rel_err, speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
+                 fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"], speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
                  speedup_fwd_bwd_vs_torch=round(torch_ms["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3),
                  fwd_over_base=round(r["fwd_ms"] / base_ms["fwd_ms"], 3))
         if "gpu_fwd_ms" in r:

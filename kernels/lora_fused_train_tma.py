@@ -1,0 +1,185 @@
+"""Kernels 2 and 4 of the fused LoRA training linear with the frozen GEMM in Triton over TMA
+(base_gemm="tma"): LoRAFusion's literal form, where the LoRA product joins the GEMM's own
+accumulator, on Hopper's bulk tensor copies.
+
+    kernel 2: y  = x W^T + scaling * S B^T          (lora_fused_train.add_lora_fwd_term)
+    kernel 4: dX = dY W  + dropout'(dS A)            (lora_fused_train_bwd.add_lora_dx_term)
+
+The main loops read their operand tiles through tensor descriptors (`TensorDescriptor`: on sm_90
+the copy engine fills shared memory, no per-thread address arithmetic or masks) into wgmma; the
+grid is persistent (one program per SM walking the output tiles in grouped order), the epilogue
+is the same LoRA code as the pointer forms, and the tile is written once through a descriptor.
+Compared with base_gemm="blas" (cuBLAS with the LoRA term as its C operand) this saves the term's
+write and read, [T, out] (kernel 2) and [T, in] (kernel 4) in 16 bits each; it only pays where
+this GEMM keeps up with cuBLAS (docs/benchmarks.md says where it did).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flexserve_kernels.lora_fused_train import add_lora_fwd_term, grouped_tile
+from flexserve_kernels.lora_fused_train_bwd import add_lora_dx_term
+
+
+@triton.jit
+def _lora_train_linear_fwd_tma_kernel(
+    x_desc, w_desc, y_desc, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
+    M, N, K, max_rank, m_bucket, stride_sm, stride_bs, stride_bn, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Persistent: program p takes output tiles p, p + num_programs, ... (m_bucket is only the
+    # autotuner's key). x [M, K] and W [N, K] are read as [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K].
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x_tile = x_desc.load([off_m, k])
+            w_tile = w_desc.load([off_n, k])
+            acc = tl.dot(x_tile, w_tile.T, acc)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                                seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn, BLOCK_R)
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+@triton.jit
+def _lora_train_dx_bwd_tma_kernel(
+    dy_desc, w_desc, dx_desc, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket, stride_dsm, stride_as, stride_ar, num_programs,
+    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # dX [M, N=in] = dY [M, K=out] W [K, N]: dY read as [BLOCK_M, BLOCK_K], W as [BLOCK_K, BLOCK_N].
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            dy_tile = dy_desc.load([off_m, k])
+            w_tile = w_desc.load([k, off_n])
+            acc = tl.dot(dy_tile, w_tile, acc)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                               seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
+                               HAS_DROPOUT, BLOCK_R)
+        dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
+
+
+# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): none spills
+# up to rank 32 (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second fp32 tile
+# and the hash beside the accumulator) and each fits the 227 KB of shared memory. Above rank 32
+# every one of them spills, hence MAX_TMA_RANK.
+FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
+                         (128, 128, 128, 8, 3))
+DX_TMA_CONFIG_SHAPES = ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3))
+MAX_TMA_RANK = 32
+
+
+def _set_blocks(operands: tuple[tuple[str, str, str], ...]):
+    """An autotuner pre_hook that sets each descriptor's block shape from the config's blocks:
+    operands are (descriptor argument, row block name, column block name)."""
+
+    def hook(nargs):
+        for name, rows, cols in operands:
+            nargs[name].block_shape = [nargs[rows], nargs[cols]]
+
+    return hook
+
+
+def _configs(shapes, operands) -> list[triton.Config]:
+    hook = _set_blocks(operands)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s,
+                          pre_hook=hook) for m, n, k, w, s in shapes]
+
+
+_FWD_OPERANDS = (("x_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_N", "BLOCK_K"), ("y_desc", "BLOCK_M", "BLOCK_N"))
+_DX_OPERANDS = (("dy_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_K", "BLOCK_N"), ("dx_desc", "BLOCK_M", "BLOCK_N"))
+_fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERANDS),
+                             key=["m_bucket", "N", "K", "max_rank"])(_lora_train_linear_fwd_tma_kernel)
+_dx_tuned = triton.autotune(configs=_configs(DX_TMA_CONFIG_SHAPES, _DX_OPERANDS),
+                            key=["m_bucket", "N", "K", "max_rank"])(_lora_train_dx_bwd_tma_kernel)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block))
+
+
+def tma_supported(*tensors: torch.Tensor) -> bool:
+    """Whether base_gemm="tma" can take these 2-D operands: rows 16-byte aligned (TMA's rule) and a
+    GPU of compute capability 9.0 or newer, or Triton's interpreter on CPU."""
+    if any(t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(-1) != 1 for t in tensors):
+        return False
+    device = tensors[0].device
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _check_supported(max_rank: int, *tensors: torch.Tensor) -> None:
+    if max_rank > MAX_TMA_RANK:
+        raise ValueError(f"base_gemm='tma' takes ranks up to {MAX_TMA_RANK}, got {max_rank} (use base_gemm='blas')")
+    if not tma_supported(*tensors):
+        raise ValueError("base_gemm='tma' needs a GPU of compute capability >= 9.0 and operands whose rows "
+                         "start at 16-byte boundaries (use base_gemm='blas')")
+
+
+def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None) -> None:
+    """Kernel 2 with the GEMM over TMA into y [T, out]; autotuned on CUDA unless `blocks`
+    = (BLOCK_M, BLOCK_N, BLOCK_K) is given (the interpreter's tests)."""
+    _check_supported(lora_b.shape[2], x, weight, y)
+    num_tokens, in_size = x.shape
+    out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    tuned = x.device.type == "cuda" and blocks is None
+    bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
+    descs = (_descriptor(x, (bm, bk)), _descriptor(weight, (bn, bk)), _descriptor(y, (bm, bn)))
+    args = (*descs, s, lora_b, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
+            num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0),
+            lora_b.stride(0), lora_b.stride(1))
+    programs = _num_sms(x.device)
+    if tuned:
+        grid = lambda c: (min(programs, triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"])),)  # noqa: E731
+        _fwd_tuned[grid](*args, programs, BLOCK_R=block_r)
+        return
+    grid = (min(programs, triton.cdiv(num_tokens, bm) * triton.cdiv(out_size, bn)),)
+    _lora_train_linear_fwd_tma_kernel[grid](*args, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=block_r,
+                                            GROUP_M=4, num_warps=4, num_stages=3)
+
+
+def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None) -> None:
+    """Kernel 4 with the GEMM over TMA into dx [T, in]; tiles as in `linear_fwd_tma`."""
+    _check_supported(lora_a.shape[1], dy, weight, dx)
+    num_tokens, out_size = dy.shape
+    in_size, max_rank = weight.shape[1], lora_a.shape[1]
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    tuned = dy.device.type == "cuda" and blocks is None
+    bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
+    descs = (_descriptor(dy, (bm, bk)), _descriptor(weight, (bk, bn)), _descriptor(dx, (bm, bn)))
+    args = (*descs, ds, lora_a, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+            num_tokens, in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens), ds.stride(0),
+            lora_a.stride(0), lora_a.stride(1))
+    programs = _num_sms(dy.device)
+    if tuned:
+        grid = lambda c: (min(programs, triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"])),)  # noqa: E731
+        _dx_tuned[grid](*args, programs, HAS_DROPOUT=slots.has_dropout, BLOCK_R=block_r)
+        return
+    grid = (min(programs, triton.cdiv(num_tokens, bm) * triton.cdiv(in_size, bn)),)
+    _lora_train_dx_bwd_tma_kernel[grid](*args, programs, HAS_DROPOUT=slots.has_dropout, BLOCK_M=bm, BLOCK_N=bn,
+                                        BLOCK_K=bk, BLOCK_R=block_r, GROUP_M=4, num_warps=4, num_stages=3)
