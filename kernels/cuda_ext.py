@@ -13,16 +13,30 @@ inside a thread block cluster (sm_90 and later; earlier GPUs keep `in` whole), s
 the op returns, with no workspace and no atomics; a token's s and y do not depend on the rest of
 its batch. The expand gives each output of B a group of lanes reading 16-byte chunks of its row.
 
-FLEXSERVE_LORA_DECODE_BACKEND picks what decode-only LoRA batches run on CUDA:
-    triton (default) Triton only. `benchmarks/kernels/lora_bgmv_cuda.py --part kernels` (H100,
-                    Llama-3.1-8B shapes, rank 16, 8 adapters, 32 layers in a CUDA graph), us
-                    per layer of the down_proj BGMV pair, Triton vs this split-K version:
-                    6.3 vs 5.5 at batch 1, 9.8 vs 8.9 at 16, 11.7 vs 19.1 at 64 (the first
-                    version, without the split: 18.4-22.5 vs Triton's 8.3-11.1 on an H200).
-                    Slower at 64, so the default stays Triton; no end-to-end TPOT measured.
-    auto            the CUDA BGMV pair for projections outside the fused Triton groups (down_proj),
-                    the fused Triton kernel for q/k/v, o, gate/up; Triton BGMV without the extension
-    cuda            the CUDA BGMV pair for every projection (the fused Triton kernel is skipped)
+FLEXSERVE_LORA_DECODE_BACKEND picks what runs the LoRA bypass of decode-only batches on CUDA. It is
+read per call and decided on the host from the backend, the batch's token count and whether the
+extension loaded (never from device data), so each CUDA graph, captured per padded batch size,
+keeps its path:
+    auto (default)  the CUDA BGMV pair where the Triton path runs a BGMV pair (down_proj; q/k/v, o
+                    and gate/up take the fused Triton kernel) in batches of at most
+                    CUDA_DECODE_MAX_ROWS = 16 tokens, Triton above. A group whose shrinks are
+                    folded into its merged GEMM (`MergedProjection.fold_lora`: down_proj while
+                    max_loras x max_rank <= FOLD_MAX_FRACTION x hidden_size, 512 rows on
+                    Llama-3.1-8B) keeps the folded path, as with triton. Without the extension
+                    (CPU torch, no nvcc, FLEXSERVE_CUDA_EXT=0, a failed build): exactly triton.
+    cuda            the CUDA BGMV pair for every projection at every decode batch size (no fused
+                    or folded Triton path)
+    triton          Triton only; the engine never builds the extension
+`benchmarks/kernels/lora_bgmv_cuda.py --part kernels` (H100, Llama-3.1-8B shapes, rank 16, 8
+adapters, 32 layers in one CUDA graph), us per layer, Triton vs CUDA: the down_proj BGMV pair
+6.3 vs 5.5 at batch 1, 9.8 vs 8.9 at 16, 11.7 vs 19.1 at 64; the layer's LoRA work (fused Triton
+groups, down_proj on the Triton vs the CUDA pair) 27.4 vs 24.4, 33.2 vs 32.2, 47.4 vs 55.0. Hence
+auto's 16-token cut-off. (The first version, without the split over `in`: 18.4-22.5 us vs Triton's
+8.3-11.1 on an H200.) Decode TPOT end to end, per backend: `--part e2e` of the same script.
+
+The engine builds or loads the extension once at start-up (`load_for_decode`, called by the model
+runner before its profiling forward and CUDA-graph capture) unless the backend is triton, so no
+nvcc build runs inside a capture or on a request's path.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import fcntl
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +58,12 @@ logger = logging.getLogger(__name__)
 EXTENSION_NAME = "flexserve_lora_bgmv"
 SOURCE_NAMES = ("lora_bgmv.cpp", "lora_bgmv.cu")
 DECODE_BACKENDS = ("auto", "cuda", "triton")
+DEFAULT_DECODE_BACKEND = "auto"
+# auto's largest decode batch (tokens) for the CUDA BGMV pair. H100, Llama-3.1-8B down_proj (in
+# 14336, out 4096), rank 16, 8 adapters, `benchmarks/kernels/lora_bgmv_cuda.py --part kernels`:
+# the pair takes 5.5 / 8.9 / 19.1 us per layer at 1 / 16 / 64 tokens against Triton BGMV's 6.3 /
+# 9.8 / 11.7, so the extension wins at 1 and 16 and loses at 64 (sizes in between: not measured).
+CUDA_DECODE_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -59,8 +80,8 @@ def extension_enabled() -> bool:
 
 
 def decode_backend() -> str:
-    """FLEXSERVE_LORA_DECODE_BACKEND: triton (default), auto or cuda; ValueError for anything else."""
-    backend = os.environ.get("FLEXSERVE_LORA_DECODE_BACKEND", "triton").lower()
+    """FLEXSERVE_LORA_DECODE_BACKEND: auto (default), cuda or triton; ValueError for anything else."""
+    backend = os.environ.get("FLEXSERVE_LORA_DECODE_BACKEND", DEFAULT_DECODE_BACKEND).lower()
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"FLEXSERVE_LORA_DECODE_BACKEND must be one of {DECODE_BACKENDS}, got {backend!r}")
     return backend
@@ -110,14 +131,41 @@ def cuda_bgmv_available(device: torch.device | str) -> bool:
 
 
 def cuda_decode_wanted(device: torch.device | str, meta: LoRAKernelMeta) -> bool:
-    """Whether this batch's BGMV pair runs on the extension: decode-only batches on CUDA, unless
-    FLEXSERVE_LORA_DECODE_BACKEND=triton, when the extension is available."""
-    return meta.decode_only and decode_backend() != "triton" and cuda_bgmv_available(device)
+    """Whether this batch's BGMV pair runs on the extension: decode-only batches on CUDA when the
+    extension is available, of any size with FLEXSERVE_LORA_DECODE_BACKEND=cuda, of at most
+    CUDA_DECODE_MAX_ROWS tokens with auto, never with triton. Host-side only (no device sync);
+    the same for every batch of one size, so a CUDA graph captured per batch size stays valid."""
+    if not meta.decode_only:
+        return False
+    backend = decode_backend()
+    if backend == "triton" or (backend == "auto" and meta.num_tokens > CUDA_DECODE_MAX_ROWS):
+        return False
+    return cuda_bgmv_available(device)
 
 
 def cuda_decode_replaces_fused(device: torch.device | str, meta: LoRAKernelMeta) -> bool:
-    """Whether FLEXSERVE_LORA_DECODE_BACKEND=cuda sends the fused Triton groups to the extension too."""
+    """Whether FLEXSERVE_LORA_DECODE_BACKEND=cuda sends the fused Triton groups (and the folded
+    ones) to the extension too; auto never does."""
     return decode_backend() == "cuda" and cuda_decode_wanted(device, meta)
+
+
+def load_for_decode(device: torch.device | str, bgmv_pairs: bool = True) -> BGMVOps | None:
+    """Build (first time on this machine) or load the extension now if LoRA decode on `device`
+    may use it, logging how long it took: on CUDA with FLEXSERVE_LORA_DECODE_BACKEND=cuda, or
+    auto when `bgmv_pairs` (some projection's decode runs a BGMV pair: down_proj not folded into
+    its GEMM). The model runner calls this at start-up, before its profiling forward and CUDA-graph
+    capture, so the build (12.8 s of nvcc on a fresh H200) never runs inside a capture or on a
+    request's path. None where it is not wanted or unavailable (the reason logged once);
+    ValueError for a bad FLEXSERVE_LORA_DECODE_BACKEND."""
+    backend = decode_backend()
+    if backend == "triton" or torch.device(device).type != "cuda" or (backend == "auto" and not bgmv_pairs):
+        return None
+    start = time.perf_counter()
+    ops = load_lora_bgmv()
+    if ops is not None:
+        logger.info("CUDA BGMV extension ready for LoRA decode in %.1f s (FLEXSERVE_LORA_DECODE_BACKEND=%s)",
+                    time.perf_counter() - start, backend)
+    return ops
 
 
 def lora_shrink_cuda(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -210,4 +258,8 @@ def _build() -> None:
 
 @functools.cache
 def _log_once(reason: str) -> None:
-    logger.warning("CUDA BGMV extension unavailable, LoRA decode uses Triton: %s", reason)
+    # A warning where the user asked for the extension; under the default (auto) falling back to
+    # Triton is expected on machines without nvcc, so it is news, not a problem.
+    asked = os.environ.get("FLEXSERVE_LORA_DECODE_BACKEND", "").lower() == "cuda"
+    logger.log(logging.WARNING if asked else logging.INFO,
+               "CUDA BGMV extension unavailable, LoRA decode uses Triton: %s", reason)

@@ -30,12 +30,14 @@ def lora_shrink(
     s is float32 whatever x's dtype (as in vLLM): it is T x max_rank, small next to x, and the
     expand then rounds once. Every row is written; rows of tokens without an adapter are zero.
     Without any adapter in the batch this returns zeros without checking or launching a kernel
-    (one memset; layers should test `meta.has_lora` and skip both ops). `variant` forces "sgmv"
-    or "bgmv" on the Triton path (e.g. a fixed grid for CUDA graphs); by default one-token
-    segments (decode_only) and batches of at most BGMV_MAX_TOKENS tokens take BGMV, the rest
-    SGMV; a decode_only batch's BGMV runs on the CUDA C++ extension when it is available
-    (`flexserve_kernels.cuda_ext`, FLEXSERVE_LORA_DECODE_BACKEND). Raises ValueError on
-    mismatched shapes, dtypes, devices or a last dimension that is not contiguous.
+    (one memset; layers should test `meta.has_lora` and skip both ops). `variant` forces the
+    Triton "sgmv" or "bgmv" kernel (e.g. a fixed grid, or to measure or test Triton itself); by
+    default one-token segments (decode_only) and batches of at most BGMV_MAX_TOKENS tokens take
+    BGMV, the rest SGMV, and a decode_only batch's BGMV runs on the CUDA C++ extension where
+    `cuda_ext.cuda_decode_wanted` says so (FLEXSERVE_LORA_DECODE_BACKEND: auto, the default, up
+    to `cuda_ext.CUDA_DECODE_MAX_ROWS` tokens; cuda at any size; never with triton or without
+    the extension). Raises ValueError on mismatched shapes, dtypes, devices or a last dimension
+    that is not contiguous.
     """
     if not meta.has_lora:
         return torch.zeros(x.shape[0], lora_a.shape[-2], dtype=torch.float32, device=x.device)
@@ -46,7 +48,7 @@ def lora_shrink(
     # The launchers check their inputs; checking here too would double ~3-4 us of host time.
     from flexserve_kernels import lora_shrink as kernels
 
-    if chosen == "bgmv" and cuda_ext.cuda_decode_wanted(x.device, meta):
+    if chosen == "bgmv" and variant is None and cuda_ext.cuda_decode_wanted(x.device, meta):
         return cuda_ext.lora_shrink_cuda(x, lora_a, meta.token_slots)
     if chosen == "bgmv":
         return kernels.lora_shrink_bgmv(x, lora_a, meta)
@@ -67,7 +69,8 @@ def lora_expand(
     s [T, max_rank] float32 or y's dtype; lora_b [num_slots, out, max_rank] in y's dtype;
     y [T, out] (a column slice of a wider output is fine: only its last dimension must be
     contiguous); scaling [num_slots] float32. Rows of tokens without an adapter are not touched,
-    and a batch without adapters returns at once. `variant` as in `lora_shrink`. Slots in the
+    and a batch without adapters returns at once. `variant` and the choice of kernel as in
+    `lora_shrink` (the extension takes a float32 s only). Slots in the
     metadata must be < num_slots (not checked: it would need a device sync).
     """
     if not meta.has_lora:
@@ -78,7 +81,8 @@ def lora_expand(
         return lora_expand_ref(s, lora_b, meta, y, scaling)
     from flexserve_kernels import lora_expand as kernels
 
-    if chosen == "bgmv" and s.dtype == torch.float32 and cuda_ext.cuda_decode_wanted(y.device, meta):
+    if (chosen == "bgmv" and variant is None and s.dtype == torch.float32
+            and cuda_ext.cuda_decode_wanted(y.device, meta)):
         return cuda_ext.lora_expand_cuda(s, lora_b, meta.token_slots, y, scaling)
     if chosen == "bgmv":
         return kernels.lora_expand_bgmv(s, lora_b, meta, y, scaling)

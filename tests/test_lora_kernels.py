@@ -245,7 +245,9 @@ def test_half_precision_matches_float32_reference(dtype, variant):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Records the Triton launchers lora_ops calls, by name."""
+    """Records the Triton launchers lora_ops calls, by name (Triton only: the CUDA BGMV extension
+    would take small decode batches under the default FLEXSERVE_LORA_DECODE_BACKEND)."""
+    monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "triton")
     calls: list[str] = []
 
     def spy(name, launcher):

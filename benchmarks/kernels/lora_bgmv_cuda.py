@@ -14,11 +14,17 @@ CUDA events; microseconds per layer for each way of running the layer's 4 LoRA g
     down_cuda_bgmv     down_proj alone, CUDA BGMV (2 launches)
 
 Part 2 (e2e): decode TPOT through flexserve with 8 adapters (random weights, dummy base model, CUDA
-graphs on), one engine per FLEXSERVE_LORA_DECODE_BACKEND value, each in its own process (graphs
-are captured with the backend of their process).
+graphs on, no hub access), one engine per FLEXSERVE_LORA_DECODE_BACKEND value (--backends: triton,
+auto, cuda), each in its own process (graphs are captured with the backend of their process), at
+batches 1, 16 and 64 unless --batches says otherwise. TPOT = (generate N tokens - generate 1
+token) / (N - 1), median of --repeats. Each JSON line also says what ran down_proj's LoRA in that
+engine's decode steps (`down_proj_decode`: folded, cuda or triton; with auto, a down_proj group whose
+shrinks are folded into its GEMM stays folded: max_loras x max_rank over 12.5% of hidden_size,
+e.g. --rank 128, unfolds it). A table of TPOT per backend follows the JSON lines.
 
     python benchmarks/kernels/lora_bgmv_cuda.py --out lora_bgmv_cuda.jsonl
     python benchmarks/kernels/lora_bgmv_cuda.py --part kernels --batches 1 16 64
+    python benchmarks/kernels/lora_bgmv_cuda.py --part e2e --out lora_bgmv_e2e.jsonl
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 # (in, outs) of each LoRA group of a Llama-3.1-8B layer: hidden 4096, q 4096, k/v 1024, MLP 14336.
 LLAMA8B_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
@@ -48,6 +55,8 @@ PATHS = {
     "down_cuda_bgmv": {"down": "cuda"},
 }
 BACKENDS = ("triton", "auto", "cuda")
+KERNEL_BATCHES = [1, 2, 4, 8, 16, 32, 64]  # --part kernels without --batches
+E2E_BATCHES = [1, 16, 64]  # --part e2e without --batches
 
 
 def bench_kernels(batch: int, *, num_layers: int, rank: int, num_slots: int, replays: int) -> dict:
@@ -133,6 +142,7 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
     from flexserve import LLM, SamplingParams
     from flexserve.engine.lora_request import LoRARequest
     from flexserve.model.registry import resolve_model
+    from flexserve_kernels.cuda_ext import decode_backend
 
     hf_config = resolve_model(args.model, "dummy").hf_config
     workdir = tempfile.mkdtemp(prefix="flexserve-bgmv-bench-")
@@ -141,11 +151,13 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
         path = os.path.join(workdir, f"adapter{i}")
         write_random_adapter(path, hf_config, args.rank, seed=i)
         adapters.append(LoRARequest(f"adapter{i}", i + 1, path))
+    # warmup=False: the fine-tuning kernels' start-up compile is not needed for decode.
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.input_len + args.output_len + 16,
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_memory_utilization,
-              enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
+              enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank, warmup=False)
+    runner = llm.engine.executor
+    backend = decode_backend()
     g = torch.Generator().manual_seed(0)
-    backend = os.environ.get("FLEXSERVE_LORA_DECODE_BACKEND", "auto")
     for batch in args.batches:
         prompts = torch.randint(100, hf_config.vocab_size - 100, (batch, args.input_len), generator=g).tolist()
         loras = [adapters[i % args.num_adapters] for i in range(batch)]
@@ -165,13 +177,90 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
                               rank=args.rank, model=args.model, input_len=args.input_len,
                               output_len=args.output_len, repeats=args.repeats,
                               tpot_ms=round(tpots[len(tpots) // 2] * 1e3, 3),
-                              tpot_ms_min=round(tpots[0] * 1e3, 3), tpot_ms_max=round(tpots[-1] * 1e3, 3))),
+                              tpot_ms_min=round(tpots[0] * 1e3, 3), tpot_ms_max=round(tpots[-1] * 1e3, 3),
+                              down_proj_decode=down_proj_decode(runner, batch),
+                              cuda_graphs=runner.graph_runner is not None,
+                              device=torch.cuda.get_device_name())),
               flush=True)
 
 
-def emit(row: dict, out: str | None) -> None:
+def down_proj_decode(runner, batch: int) -> str:
+    """What runs down_proj's LoRA in a decode step of `batch` rows on `runner` (a ModelRunner): "folded"
+    (its shrinks in the GEMM, a Triton expand), "cuda" (the extension's BGMV pair) or "triton"
+    (Triton's BGMV pair); asked of the same functions the layers ask, for the graph's padded size."""
+    from flexserve.worker.cuda_graphs import padded_batch_size
+    from flexserve_kernels.cuda_ext import cuda_decode_replaces_fused, cuda_decode_wanted
+    from flexserve_kernels.lora_meta import LoRAKernelMeta
+
+    graphs = runner.graph_runner
+    rows = (padded_batch_size(batch, graphs.batch_sizes) if graphs is not None else None) or batch
+    empty = torch.empty(0, dtype=torch.int32)
+    meta = LoRAKernelMeta(token_slots=torch.zeros(rows, dtype=torch.int32), seg_starts=empty, seg_lens=empty,
+                          seg_slots=empty, num_tokens=rows, max_seg_len=1, decode_only=True)
+    if cuda_decode_replaces_fused(runner.device, meta):
+        return "cuda"
+    if runner.model.model.layers[0].mlp.down.folded is not None:
+        return "folded"
+    return "cuda" if cuda_decode_wanted(runner.device, meta) else "triton"
+
+
+def run_e2e(args: argparse.Namespace, batches: list[int]) -> list[dict]:
+    """One child process (`--part e2e-one`) per backend; their JSON lines, as they come."""
+    child = [sys.executable, __file__, "--part", "e2e-one", "--batches", *map(str, batches),
+             "--rank", str(args.rank), "--num-adapters", str(args.num_adapters), "--model", args.model,
+             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+             "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    rows = []
+    with tqdm(total=len(args.backends) * len(batches), desc="e2e decode TPOT", unit="batch") as bar:
+        for backend in args.backends:
+            bar.set_postfix(backend=backend)
+            env = dict(os.environ, FLEXSERVE_LORA_DECODE_BACKEND=backend)
+            with tempfile.TemporaryFile(mode="w+") as log:
+                proc = subprocess.Popen(child, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+                for line in proc.stdout:
+                    if line.startswith("{"):
+                        row = json.loads(line)
+                        rows.append(row)
+                        emit(row, args.out, write=bar.write)
+                        bar.update()
+                if proc.wait() != 0:
+                    log.seek(0)
+                    sys.exit(f"e2e with backend {backend} failed:\n{log.read()[-4000:]}")
+    return rows
+
+
+def print_e2e_table(rows: list[dict]) -> None:
+    """TPOT per batch (rows) and backend (columns), each against triton's, and down_proj's path."""
+    if not rows:
+        return
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    by_key = {(r["batch"], r["backend"]): r for r in rows}
+    first = rows[0]
+    print(f"\ndecode TPOT, ms (median of {first['repeats']}): {first['model']}, {first['num_adapters']} adapters "
+          f"of rank {first['rank']}, prompt {first['input_len']}, {first['output_len']} new tokens, {first['device']}")
+    header = ["batch", *backends, *(f"{b} vs triton" for b in backends if b != "triton" and "triton" in backends),
+              *(f"down_proj ({b})" for b in backends)]
+    lines = [header]
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        got = {b: by_key.get((batch, b)) for b in backends}
+        base = got.get("triton")
+        cells = [str(batch), *(f"{got[b]['tpot_ms']:.3f}" if got[b] else "-" for b in backends)]
+        cells += [f"{(got[b]['tpot_ms'] / base['tpot_ms'] - 1) * 100:+.1f}%" if got[b] and base else "-"
+                  for b in backends if b != "triton" and "triton" in backends]
+        cells += [got[b]["down_proj_decode"] if got[b] else "-" for b in backends]
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+
+
+def emit(row: dict, out: str | None, write=None) -> None:
+    """Print a JSON line (through `write`, e.g. a progress bar's, if given) and append it to `out`."""
     line = json.dumps(row)
-    print(line, flush=True)
+    if write is None:
+        print(line, flush=True)
+    else:
+        write(line)
     if out:
         with open(out, "a") as f:
             f.write(line + "\n")
@@ -181,7 +270,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("all", "kernels", "e2e", "e2e-one"), default="all",
                    help="e2e-one: one engine in this process's FLEXSERVE_LORA_DECODE_BACKEND (used by e2e)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--batches", type=int, nargs="+",
+                   help=f"batch sizes (default: {KERNEL_BATCHES} for kernels, {E2E_BATCHES} for e2e)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="e2e: FLEXSERVE_LORA_DECODE_BACKEND values, one engine each")
     p.add_argument("--layers", type=int, default=32, help="layers captured in one graph (Llama-3.1-8B: 32)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--num-adapters", type=int, default=8)
@@ -193,7 +285,10 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--out", help="append the JSON lines to this file too")
     args = p.parse_args()
+    if args.output_len < 2:
+        p.error("--output-len must be at least 2 (TPOT needs two tokens)")
     if args.part == "e2e-one":
+        args.batches = args.batches or E2E_BATCHES
         bench_e2e_one(args)
         return
     from flexserve_kernels.cuda_ext import load_lora_bgmv, unavailable_reason
@@ -201,23 +296,12 @@ def main() -> None:
     if load_lora_bgmv() is None:  # also builds it once here, before the e2e processes start
         sys.exit(f"the CUDA BGMV extension is unavailable: {unavailable_reason() or 'its build failed (see log)'}")
     if args.part in ("all", "kernels"):
-        for batch in args.batches:
+        for batch in args.batches or KERNEL_BATCHES:
             emit(bench_kernels(batch, num_layers=args.layers, rank=args.rank, num_slots=args.num_adapters,
                                replays=args.replays), args.out)
     if args.part in ("all", "e2e"):
         torch.cuda.empty_cache()  # the engines below size their KV cache from the free memory
-        child = [sys.executable, __file__, "--part", "e2e-one", "--batches", *map(str, args.batches),
-                 "--rank", str(args.rank), "--num-adapters", str(args.num_adapters), "--model", args.model,
-                 "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                 "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-        for backend in BACKENDS:
-            env = dict(os.environ, FLEXSERVE_LORA_DECODE_BACKEND=backend)
-            result = subprocess.run(child, env=env, capture_output=True, text=True)
-            if result.returncode != 0:
-                sys.exit(f"e2e with backend {backend} failed:\n{result.stderr[-4000:]}")
-            for line in result.stdout.splitlines():
-                if line.startswith("{"):
-                    emit(json.loads(line), args.out)
+        print_e2e_table(run_e2e(args, args.batches or E2E_BATCHES))
 
 
 if __name__ == "__main__":

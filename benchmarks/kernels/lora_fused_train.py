@@ -9,7 +9,10 @@ autotuner) of one LoRA linear:
   fused_tma   the same with base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the
               LoRA products in their accumulators: no LoRA term through memory);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
-  base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to.
+  base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to;
+  engine      forward only, no dropout: what the server's LoRALinear runs for prefill rows today
+              (F.linear, then the SGMV shrink and the in-place SGMV expand of kernels/lora_ops.py);
+              compare it with the fused forward at --dropout 0.
 and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_triton) vs torch_multi (the
 unfused path per adapter: base F.linear once, each adapter's LoRA on its rows, one add). Gradients
 are to x, A and B (W frozen) in every LoRA path. Each case also records the fused path's max error
@@ -124,6 +127,7 @@ def step(forward, leaves: list[torch.Tensor], backward: bool):
 def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> list[dict]:
     from flexserve_kernels.lora_fused_train import LoRATrainSlots, fused_lora_linear
     from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora_ops import lora_expand, lora_shrink
 
     g = torch.Generator().manual_seed(m + size + num_adapters)
     n = k = size
@@ -166,29 +170,41 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
         errs = {gemm: ((fused(0.0, gemm)().float() - want.float()).abs().max() / want.float().abs().max()).item()
                 for gemm in ("blas", "tma")}
 
+    engine_scalings = torch.full((adapters,), scaling, dtype=torch.float32, device=device)
+
+    def engine():
+        with torch.no_grad():
+            y = F.linear(x, weight)
+            return lora_expand(lora_shrink(x, lora_a, meta), lora_b, meta, y, engine_scalings)
+
     paths = {names[0]: (fused(args.dropout), leaves), f"{names[0]}_triton": (fused(args.dropout, "triton"), leaves),
              f"{names[0]}_tma": (fused(args.dropout, "tma"), leaves),
-             names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x])}
+             names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x]), "engine": (engine, [])}
     rows = []
     for path, (forward, params) in paths.items():
-        fwd_ms = time_ms(step(forward, params, False), args.warmup, args.iters, args.smoke)
-        fwd_bwd_ms = time_ms(step(forward, params, True), args.warmup, args.iters, args.smoke)
-        row = dict(path=path, fwd_ms=round(fwd_ms, 4), fwd_bwd_ms=round(fwd_bwd_ms, 4))
+        backward = path != "engine"
+        row = dict(path=path, fwd_ms=round(time_ms(step(forward, params, False), args.warmup, args.iters, args.smoke), 4))
+        if backward:
+            row.update(fwd_bwd_ms=round(time_ms(step(forward, params, True), args.warmup, args.iters, args.smoke), 4))
         if not args.smoke:
             label = f"{path} m={m} n=k={size}" if args.kernel_table else None
-            row.update(gpu_fwd_ms=round(kernel_ms(step(forward, params, False), args.iters), 4),
-                       gpu_fwd_bwd_ms=round(kernel_ms(step(forward, params, True), args.iters, label), 4))
+            row.update(gpu_fwd_ms=round(kernel_ms(step(forward, params, False), args.iters, label), 4))
+            if backward:
+                row.update(gpu_fwd_bwd_ms=round(kernel_ms(step(forward, params, True), args.iters, label), 4))
         rows.append(row)
     torch_ms = {r["path"]: r for r in rows}[names[1]]
     base_ms = {r["path"]: r for r in rows}["base"]
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
-                 fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"], speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
-                 speedup_fwd_bwd_vs_torch=round(torch_ms["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3),
+                 fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"],
+                 speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
                  fwd_over_base=round(r["fwd_ms"] / base_ms["fwd_ms"], 3))
+        if "fwd_bwd_ms" in r:
+            r.update(speedup_fwd_bwd_vs_torch=round(torch_ms["fwd_bwd_ms"] / r["fwd_bwd_ms"], 3))
         if "gpu_fwd_ms" in r:
-            r.update(gpu_speedup_fwd_bwd_vs_torch=round(torch_ms["gpu_fwd_bwd_ms"] / r["gpu_fwd_bwd_ms"], 3),
-                     gpu_fwd_over_base=round(r["gpu_fwd_ms"] / base_ms["gpu_fwd_ms"], 3))
+            r.update(gpu_fwd_over_base=round(r["gpu_fwd_ms"] / base_ms["gpu_fwd_ms"], 3))
+        if "gpu_fwd_bwd_ms" in r:
+            r.update(gpu_speedup_fwd_bwd_vs_torch=round(torch_ms["gpu_fwd_bwd_ms"] / r["gpu_fwd_bwd_ms"], 3))
     return rows
 
 

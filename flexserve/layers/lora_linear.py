@@ -28,7 +28,10 @@ from flexserve_kernels.lora_ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
 # Projections whose decode-sized batches take the fused shrink+expand kernel. down_proj stays on
 # the BGMV pair: its shrink reads a 14336-wide A, which the fused kernel would re-read per output
 # tile (H200, Llama-3.1-8B shapes, rank 16, benchmarks/lora_fused_kernel.py: per layer 31.3 us
-# with down on BGMV vs 35.1 us all fused at batch 16).
+# with down on BGMV vs 35.1 us all fused at batch 16). Unless down's shrinks are folded into its
+# GEMM, that pair runs on the CUDA C++ extension for decode batches of up to
+# cuda_ext.CUDA_DECODE_MAX_ROWS tokens under the default FLEXSERVE_LORA_DECODE_BACKEND=auto
+# (lora_shrink / lora_expand decide).
 _FUSED_DECODE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
 
@@ -136,7 +139,9 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
     slices of one merged GEMM's output). Plain `nn.Linear`s (LoRA off) add nothing.
 
     Decode-sized batches on the Triton path run one fused shrink+expand launch for all the given
-    projections (`flexserve_kernels.lora_fused`); other batches the SGMV/BGMV pair per projection.
+    projections (`flexserve_kernels.lora_fused`) when they are all fused targets; other batches
+    and projections the SGMV/BGMV pair per projection, whose decode-only BGMV `lora_shrink` /
+    `lora_expand` may send to the CUDA extension (FLEXSERVE_LORA_DECODE_BACKEND).
     """
     if not isinstance(modules[0], LoRALinear):
         return
@@ -161,7 +166,9 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
 def folds_batch(x: torch.Tensor, meta) -> bool:
     """Whether a batch is decode-sized LoRA work for the Triton path: the fused shrink+expand
     kernel or, in a merged group with folded shrinks (`MergedProjection.fold_lora`), the folded
-    GEMM and one expand. FLEXSERVE_LORA_DECODE_BACKEND=cuda sends such batches to the CUDA BGMV
-    pair instead (lora_shrink/lora_expand pick it)."""
+    GEMM and one expand. FLEXSERVE_LORA_DECODE_BACKEND=cuda sends decode-only batches to the CUDA
+    BGMV pair instead (lora_shrink/lora_expand pick it); auto (the default) and triton keep them
+    here (auto's CUDA pair is for the projections outside the fused groups: `add_lora`). Host
+    flags and counts only, fixed per batch size (CUDA graphs)."""
     return (use_triton(x.device) and (meta.decode_only or meta.num_tokens <= BGMV_MAX_TOKENS)
             and not cuda_decode_replaces_fused(x.device, meta))

@@ -43,6 +43,7 @@ from flexserve.worker.kv_cache import (
     num_blocks_from_memory,
 )
 from flexserve.worker.lora_manager import LoRAManager
+from flexserve_kernels.cuda_ext import load_for_decode
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 
@@ -90,6 +91,14 @@ class ModelRunner:
         if config.lora is not None:
             self.lora_manager = LoRAManager(
                 self.model, config.lora, self.hf_config, self.device, self.dtype)
+            if use_triton(self.device):
+                # The CUDA BGMV extension for LoRA decode (FLEXSERVE_LORA_DECODE_BACKEND auto or
+                # cuda): built now, before the profiling forward and CUDA-graph capture, never
+                # inside a capture or under a request; under auto only where down_proj's decode
+                # runs the BGMV pair (its shrinks not folded into the GEMM).
+                layers = getattr(getattr(self.model, "model", None), "layers", ())
+                load_for_decode(self.device, bgmv_pairs=not layers or any(
+                    getattr(layer.mlp.down, "folded", None) is None for layer in layers))
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CUDAGraphRunner | None = None
