@@ -15,12 +15,17 @@ the plans to fit (each job's max_seq_len is its sequence length, so the budget i
 
     python benchmarks/finetune_throughput.py --seq-lens 4096 --targets down_proj \
         --finetune-activation-budget 5.5
+
+`--window-attention flash|cudnn-buckets` sets FLEXSERVE_WINDOW_ATTENTION (what whole-prefix
+backward windows run on, `backward_ops.window_attention`); the engine's start-up warm-up builds
+the cuDNN plans of their buckets up to the longest length, so the timed steps build none.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -54,13 +59,19 @@ def main() -> None:
                              "rematerialization, loss and optimizer (synchronizing timers)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the timed steps (torch.profiler) and print the GPU time by kernel")
+    parser.add_argument("--window-attention", choices=["flash", "cudnn-buckets"], default=None,
+                        help="FLEXSERVE_WINDOW_ATTENTION for this run [the variable, else "
+                             "backward_ops' default]")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.window_attention is not None:
+        os.environ["FLEXSERVE_WINDOW_ATTENTION"] = args.window_attention
     timers = install_timers() if args.breakdown else None
 
     from flexserve import LLM
     from flexserve.finetune.data import TrainingData, TrainingExample
     from flexserve.finetune.hyperparameters import Hyperparameters
+    from flexserve.worker.backward_ops import window_attention_mode
 
     max_len = max(args.seq_lens)
     llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
@@ -121,6 +132,7 @@ def main() -> None:
             "lean_stored": sorted(layers.plans[layers.lean_layers[0]].stored)
             if layers.lean_layers else None,
             "loss_chunk_rows": args.loss_chunk_rows,
+            "window_attention": window_attention_mode(),
             "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
             "peak_extra_memory_gb": round(peak / 1e9, 3),

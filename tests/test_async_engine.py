@@ -296,3 +296,38 @@ def test_logging_stat_logger_writes_one_line_per_interval(caplog):
         "running: 2 reqs, waiting: 0 reqs, KV cache usage: 50.0%, prompt throughput: 8.0 tok/s, "
         "generation throughput: 4.0 tok/s, preemptions: 1 (total 1), prefix cache hit rate: 0.0%",
     ]
+
+
+class PreparingExecutor(FakeExecutor):
+    """Records which thread ran its per-thread start-up, and can fail there."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+        self.prepared_on: list[str] = []
+
+    def prepare_thread(self) -> None:
+        self.prepared_on.append(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("simulated start-up failure")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_engine_thread_runs_the_executors_per_thread_start_up_once(fail, caplog):
+    # cuDNN keeps attention plans per thread: the engine thread builds its own before any step;
+    # a failure there only costs speed, so requests are still served.
+    config = EngineConfig(cache=CacheConfig(block_size=4),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64))
+    info = ModelInfo(name="fake", vocab_size=VOCAB, max_model_len=128, eos_token_id=0,
+                     num_blocks=64, block_size=4, device="cpu", dtype="float32")
+    executor = PreparingExecutor(fail=fail)
+    engine = AsyncLLMEngine(LLMEngine(config, executor, None, info), log_stats=False)
+    with caplog.at_level(logging.ERROR, logger="flexserve.engine.async_engine"):
+        engine.start()
+        try:
+            outputs = asyncio.run(collect(engine, "a", [5, 6, 7], max_tokens=3))
+        finally:
+            engine.shutdown()
+    assert outputs[-1].outputs[0].token_ids == expected_tokens([5, 6, 7], 3)
+    assert executor.prepared_on == ["flexserve-engine"]
+    assert any("per-thread engine start-up failed" in r.getMessage() for r in caplog.records) is fail

@@ -289,6 +289,7 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        self._prepare_thread()
         try:
             stalled = False  # the last step had fine-tuning work but placed nothing
             while True:
@@ -307,6 +308,17 @@ class AsyncLLMEngine:
         except BaseException as e:  # a crashed engine must not leave clients waiting forever
             logger.exception("the engine loop failed; failing all in-flight requests")
             self._fail_all(EngineDeadError(f"the engine loop failed: {type(e).__name__}: {e}"))
+
+    def _prepare_thread(self) -> None:
+        """The engine's per-thread start-up on this thread (cuDNN's attention plans for the
+        fine-tuning backward); a failure there only costs speed, so it is logged, not raised."""
+        prepare = getattr(self.engine, "prepare_thread", None)
+        if prepare is None:
+            return
+        try:
+            prepare()
+        except Exception:
+            logger.exception("per-thread engine start-up failed; continuing without it")
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished_requests() or self.engine.has_finetune_work()

@@ -384,6 +384,13 @@ class LLMEngine:
         called right then, before the next `step()`."""
         return self.scheduler.finetune.pop_updates()
 
+    def prepare_thread(self) -> None:
+        """Per-thread start-up of the executor for the thread that will run `step` when that is
+        not the one that built the engine (the server's engine thread), where it has one."""
+        prepare = getattr(self.executor, "prepare_thread", None)
+        if prepare is not None:
+            prepare()
+
     def has_finetune_work(self) -> bool:
         return self.scheduler.finetune.has_work()
 

@@ -17,10 +17,16 @@ fp32, the sums are fp32), without the widened copies; `split_bf16` writes an fp3
 bf16 terms so that it can join such a GEMM (hi + lo is within 2^-17 of it).
 
 `window_attention` is the SDPA call whose autograd gives the attention backward: queries of the
-window [end - n, end) over keys [0, end), with grouped K/V (GQA) passed as they are.
+window [end - n, end) over keys [0, end), with grouped K/V (GQA) passed as they are. A window
+that covers the whole prefix (n == end) can instead run on cuDNN padded to a bucket length
+(`padded_prefix_attention`, FLEXSERVE_WINDOW_ATTENTION=cudnn-buckets), once the start-up
+warm-up built that bucket's plans in the calling thread (`warm_prefix_attention`).
 """
 
 from __future__ import annotations
+
+import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -134,12 +140,25 @@ def window_attention(
     a fast path: SDPA's math path would expand them anyway, and expanding here keeps the CPU's
     bf16 roundings those of the torch and fused backward paths alike).
 
-    On CUDA cuDNN's attention is excluded (`WINDOW_SDPA_BACKENDS`): it builds an execution plan
-    per new shape, and window shapes vary (latency-sized windows, sequence lengths). On the H200
-    (Llama-3.1-8B, co-serving windows) those builds made one backward iteration in ~27 take
-    110-190 ms against ~25-40 ms predicted; with flash they are gone and fine-tuning under the
-    SLO ran 37% faster (docs/benchmarks.md, session 7)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
+    On CUDA cuDNN's attention is excluded from that call (`WINDOW_SDPA_BACKENDS`): it builds an
+    execution plan per new shape, and window shapes vary (latency-sized windows, sequence
+    lengths). On the H200 (Llama-3.1-8B, co-serving windows) those builds made one backward
+    iteration in ~27 take 110-190 ms against ~25-40 ms predicted; with flash they are gone and
+    fine-tuning under the SLO ran 37% faster (docs/benchmarks.md, session 7). cuDNN was faster
+    at a fixed shape, though, so with FLEXSERVE_WINDOW_ATTENTION=cudnn-buckets a window that
+    covers the whole prefix (n == end) and pads to a bucket of `CUDNN_MIN_PREFIX_BUCKET` rows
+    or more runs on cuDNN padded to `prefix_bucket(end)` rows (`padded_prefix_attention`:
+    grouped K/V as they are, exact), but only where this thread has built that bucket's plans
+    (`warm_prefix_attention`, run by the fine-tuning warm-up) and `can_use_cudnn_attention`
+    accepts the inputs, so no plan is ever built mid-serving; windows with start > 0, shorter
+    ones and any bucket not warmed take the path above."""
+    heads, kv_heads, end = q.shape[1], k.shape[1], k.shape[2]
+    if (q.device.type == "cuda" and q.shape[2] == end
+            and window_attention_mode() == "cudnn-buckets"):
+        length = prefix_bucket(end)
+        if (length >= CUDNN_MIN_PREFIX_BUCKET and _warm_key(q, k, length, scale) in _warm_plans()
+                and _cudnn_accepts(q, k, v)):
+            return padded_prefix_attention(q, k, v, scale, length, [SDPBackend.CUDNN_ATTENTION])
     if heads != kv_heads and not _grouped_kv_fused(q, k, v):
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -166,3 +185,199 @@ def _grouped_kv_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
     return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
+
+
+# FLEXSERVE_WINDOW_ATTENTION: what a whole-prefix backward window runs on CUDA. "flash": the
+# SDPA call of every window (`WINDOW_SDPA_BACKENDS`); "cudnn-buckets": cuDNN padded to a bucket
+# length whose plans the warm-up built (`window_attention`).
+WINDOW_ATTENTION_MODES = ("flash", "cudnn-buckets")
+DEFAULT_WINDOW_ATTENTION = "cudnn-buckets"
+
+
+def window_attention_mode() -> str:
+    """FLEXSERVE_WINDOW_ATTENTION, else `DEFAULT_WINDOW_ATTENTION`; ValueError for anything
+    that is not one of `WINDOW_ATTENTION_MODES`."""
+    mode = os.environ.get("FLEXSERVE_WINDOW_ATTENTION", DEFAULT_WINDOW_ATTENTION).lower()
+    if mode not in WINDOW_ATTENTION_MODES:
+        raise ValueError(f"FLEXSERVE_WINDOW_ATTENTION must be one of {WINDOW_ATTENTION_MODES}, "
+                         f"got {mode!r}")
+    return mode
+
+
+# Bucket lengths: multiples of 128 up to 1024, then 8 per octave (multiples of 2^k / 8 in
+# (2^k, 2^(k+1)]). Past 1024 rows a window is padded by less than 1/8 of its length, under 1.27x
+# its causal attention FLOPs (1.09x on average over the lengths 1025-131072); shorter windows
+# pad by under 128 rows. Few plans, from `CUDNN_MIN_PREFIX_BUCKET` up: 5 buckets up to 4096
+# rows, 13 up to 8192, 45 up to 131072 (multiples of 512 would need 251 up to 131072, powers
+# of two pad up to 2x).
+PREFIX_BUCKET_MIN_STEP = 128
+PREFIX_BUCKETS_PER_OCTAVE = 8
+# Shorter whole-prefix windows keep flash: the cuDNN path costs ~0.7 ms per call however short
+# the window (mostly host time: 0.6-0.9 ms against flash's 0.3 ms). One layer's window attention
+# forward + backward, back to back (H200, torch 2.11 + cuDNN 9.19, bf16, 32 query / 8 KV heads
+# of 128, windows of a bucket length): 0.75-0.89 ms on cuDNN against 0.25-0.41 ms on flash up to
+# 1536 rows, 0.76-1.05 against 0.61-0.87 ms at 2048-2560, then 0.91x flash's time at 3072 and
+# 0.58-0.64x from 3584 to 16384 (1.10 against 1.89 ms at 4096). A one-off probe, not a
+# benchmark: rerun `finetune_throughput.py` with each FLEXSERVE_WINDOW_ATTENTION to move this.
+CUDNN_MIN_PREFIX_BUCKET = 3072
+
+
+def prefix_bucket(length: int) -> int:
+    """The padded length of a whole-prefix window of `length` rows (see the bucket comment)."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    # For length in (2^k, 2^(k+1)], (length - 1).bit_length() is k + 1.
+    octave = 1 << (length - 1).bit_length()
+    step = max(PREFIX_BUCKET_MIN_STEP, octave // (2 * PREFIX_BUCKETS_PER_OCTAVE))
+    return -(-length // step) * step
+
+
+def prefix_buckets(max_length: int) -> list[int]:
+    """Every bucket length up to `prefix_bucket(max_length)`, ascending: the plans a job whose
+    sequences hold at most `max_length` tokens can use."""
+    top, buckets = prefix_bucket(max_length), []
+    while not buckets or buckets[-1] < top:
+        buckets.append(prefix_bucket(buckets[-1] + 1 if buckets else 1))
+    return buckets
+
+
+def cudnn_prefix_buckets(max_length: int) -> list[int]:
+    """The bucket lengths whose whole-prefix windows run on cuDNN (from
+    `CUDNN_MIN_PREFIX_BUCKET`) for sequences of at most `max_length` tokens: what the warm-up
+    builds."""
+    return [b for b in prefix_buckets(max_length) if b >= CUDNN_MIN_PREFIX_BUCKET]
+
+
+def padded_prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int,
+    backends: list[SDPBackend],
+) -> torch.Tensor:
+    """Causal attention of a whole-prefix window, out [1, H, end, D] (q [1, H, end, D] and k, v
+    [1, KV, end, D] all of positions [0, end)), computed by SDPA (`is_causal`, grouped K/V as
+    they are, restricted to `backends`) on copies zero-padded to `length` >= end rows.
+
+    Exact, also under autograd: padded query rows come after every real key and padded keys
+    after every real query, so the causal mask hides the padding from every real row and the
+    real rows' outputs are those of the unpadded call. The padded rows' outputs are cut off,
+    so their output gradient is zero: in the backward dV_j = sum_i P_ij dO_i, dP_ij = dO_i . V_j
+    and dS_ij = P_ij (dP_ij - sum_d dO_id O_id) are all exactly zero on those rows (their
+    softmax is finite: row i always sees key 0), so they add nothing to dK, dV of the real keys
+    and get dQ 0; the padded keys' dK, dV (from padded queries alone) and the padded queries'
+    dQ are dropped with the padding. The padding is zeros: any finite rows would do, but not
+    whatever a fresh buffer holds (a NaN there makes its row's dS NaN, and 0 * NaN is NaN).
+
+    The copies are one layout whatever the inputs' strides, [1, length, heads, D] storage seen
+    as [1, heads, length, D] (the layout of the window's own q, k, v), and so is the output
+    gradient handed to SDPA (cuDNN's plan cache keys on the q, k, v strides but bakes in the
+    output gradient's too)."""
+    end = q.shape[2]
+    q, k, v = (_PadRows.apply(t, length) for t in (q, k, v))
+    with sdpa_kernel(backends):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+    return _TakeRows.apply(out, end)
+
+
+def _rows_buffer(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """An uninitialized [b, h, rows, d] tensor over [b, rows, h, d] storage."""
+    b, h, _, d = like.shape
+    return like.new_empty((b, rows, h, d)).transpose(1, 2)
+
+
+class _PadRows(torch.autograd.Function):
+    """x [b, h, n, d] -> [b, h, length, d] with zero rows appended; the gradient of x is the
+    first n rows of the output's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, length: int) -> torch.Tensor:
+        ctx.rows = x.shape[2]
+        out = _rows_buffer(x, length)
+        out[:, :, :ctx.rows].copy_(x)
+        out[:, :, ctx.rows:].zero_()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[:, :, :ctx.rows], None
+
+
+class _TakeRows(torch.autograd.Function):
+    """The first n rows of x [b, h, length, d] (a view); the gradient is the output's padded
+    with zero rows, written in `_rows_buffer`'s layout whatever the layout of the output's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.length = x.shape[2]
+        return x[:, :, :rows]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        rows = grad.shape[2]
+        full = _rows_buffer(grad, ctx.length)
+        full[:, :, :rows].copy_(grad)
+        full[:, :, rows:].zero_()
+        return full, None
+
+
+def _cudnn_accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA's cuDNN kernel takes this whole-prefix window (is_causal, grouped K/V): the
+    checks of its padded copies but the sequence lengths, which only pass more easily there."""
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+
+    return can_use_cudnn_attention(
+        SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1]))
+
+
+# The whole-prefix buckets whose cuDNN plans this thread built (`warm_prefix_attention`). Per
+# thread because torch keeps cuDNN's attention plans per thread (thread_local caches in ATen's
+# cudnn/MHA.cpp): plans built in the loading thread do nothing for another thread's windows.
+_thread_state = threading.local()
+
+
+def _warm_plans() -> set[tuple]:
+    plans = getattr(_thread_state, "warm_plans", None)
+    if plans is None:
+        plans = _thread_state.warm_plans = set()
+    return plans
+
+
+def _warm_key(q: torch.Tensor, k: torch.Tensor, length: int, scale: float) -> tuple:
+    """What cuDNN's plan depends on: device, dtype, head counts, head dim and the padded length
+    (the padded layout follows from them), and the scale."""
+    return (q.get_device(), q.dtype, q.shape[1], k.shape[1], q.shape[3], length, float(scale))
+
+
+def warm_prefix_attention(
+    lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    device: torch.device, scale: float,
+) -> list[int]:
+    """Build, in the calling thread, cuDNN's forward and backward plans of whole-prefix windows
+    padded to each of `lengths` (random q, k, v through `padded_prefix_attention` under
+    autograd, as `window_attention` runs them), and let this thread's `window_attention` use
+    them. Returns the lengths built: it stops at the first that cuDNN refuses or that does not
+    fit in memory (windows of those lengths keep the flash path)."""
+    built = []
+    for length in lengths:
+        try:
+            key = _run_prefix_window(length, heads, kv_heads, head_dim, dtype, device, scale)
+        except torch.OutOfMemoryError:
+            break
+        if key is None:
+            break
+        _warm_plans().add(key)
+        built.append(length)
+    return built
+
+
+def _run_prefix_window(length: int, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device, scale: float) -> tuple | None:
+    """Forward and backward of one random whole-prefix window of `length` rows on cuDNN; its
+    `_warm_key`, or None where cuDNN refuses it."""
+    with torch.inference_mode(False), torch.enable_grad():
+        q, k, v = (torch.randn((1, length, h, head_dim), device=device, dtype=dtype)
+                   .transpose(1, 2).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        if not _cudnn_accepts(q, k, v):
+            return None
+        out = padded_prefix_attention(q, k, v, scale, length, [SDPBackend.CUDNN_ATTENTION])
+        out.backward(torch.randn_like(out))
+    return _warm_key(q, k, length, scale)

@@ -16,6 +16,14 @@ on the idle executor:
   (a compile-time constant: 22 variants compiled during the first 30 s of a cold co-serving run).
 Pure decode steps need none: CUDA-graph capture compiled them. Jobs of another rank may still
 compile their own LoRA kernel variants.
+
+Before those, `warmup_window_attention` builds cuDNN's attention plans for the whole-prefix
+backward windows, one per bucket length up to the longest fine-tuning sequence's
+(`backward_ops.window_attention`, FLEXSERVE_WINDOW_ATTENTION=cudnn-buckets): a plan built
+mid-serving stalled an iteration by 110-190 ms on the H200 (docs/benchmarks.md, session 7).
+torch keeps those plans per thread, so a thread other than the loading one that runs the
+backward (the server's engine thread) has to call `warmup_window_attention` itself; until it
+does, its windows run flash.
 """
 
 from __future__ import annotations
@@ -24,6 +32,13 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from flexserve.worker.backward_ops import (
+    cudnn_prefix_buckets,
+    warm_prefix_attention,
+    window_attention_mode,
+)
 from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, ProfileGrid
 from flexserve.worker.profiler import profile_executor
 
@@ -68,6 +83,7 @@ def warmup_finetune(executor: Any, info: Any, config: Any) -> float | None:
     """Run the warm-up on `executor` (a `ModelRunner` with LoRA slots, nothing scheduled yet);
     returns its seconds, or None when the engine's limits leave no room for it."""
     max_finetune_len = config.finetune.max_finetune_len or info.max_model_len
+    warmup_window_attention(executor, max_finetune_len)
     grid = warmup_grid(config.scheduler.max_num_batched_tokens, info.max_model_len,
                        config.scheduler.max_num_seqs, max_finetune_len, info.num_blocks,
                        info.block_size)
@@ -80,3 +96,31 @@ def warmup_finetune(executor: Any, info: Any, config: Any) -> float | None:
     logger.info("fine-tuning kernels warmed up in %.1f s (%d iterations)", seconds,
                 result.num_iterations)
     return seconds
+
+
+def warmup_window_attention(executor: Any, max_finetune_len: int) -> list[int] | None:
+    """Build, in the calling thread, cuDNN's plans of the whole-prefix backward windows for
+    `executor`'s model (head counts, head dim, scale, dtype), one per bucket length that runs on
+    cuDNN up to `max_finetune_len`'s (`cudnn_prefix_buckets`); returns the lengths built, or
+    None where windows do not use them (not CUDA, FLEXSERVE_WINDOW_ATTENTION=flash)."""
+    if executor.device.type != "cuda" or window_attention_mode() != "cudnn-buckets":
+        return None
+    attn = executor.model.model.layers[0].self_attn.attn
+    lengths = cudnn_prefix_buckets(max_finetune_len)
+    if not lengths:
+        return []
+    start = time.perf_counter()
+    built = warm_prefix_attention(lengths, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                  executor.dtype, executor.device, attn.scale)
+    torch.cuda.synchronize(executor.device)
+    seconds = time.perf_counter() - start
+    torch.cuda.empty_cache()  # the largest buckets' buffers
+    if built:
+        executor.warm_prefix_len = max_finetune_len  # for `prepare_thread` of other threads
+        logger.info("cuDNN window attention: plans for %d bucket lengths (%d-%d rows) built in "
+                    "%.1f s", len(built), built[0], built[-1], seconds)
+    if len(built) < len(lengths):
+        logger.warning("cuDNN window attention: no plans from the %d-row bucket up (cuDNN "
+                       "refused it or memory ran out); those windows run flash",
+                       lengths[len(built)])
+    return built

@@ -100,6 +100,9 @@ class ModelRunner:
                 load_for_decode(self.device, bgmv_pairs=not layers or any(
                     getattr(layer.mlp.down, "folded", None) is None for layer in layers))
         self.num_blocks = 0
+        # Sequence length the cuDNN plans of whole-prefix backward windows were built for
+        # (`finetune_warmup.warmup_window_attention`); `prepare_thread` builds them again.
+        self.warm_prefix_len: int | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CUDAGraphRunner | None = None
         self.finetune_runner: FinetuneRunner | None = None  # created by the first job
@@ -108,7 +111,18 @@ class ModelRunner:
         # (asynchronous scheduling).
         self._last_sampled: torch.Tensor | None = None
 
+    def prepare_thread(self) -> None:
+        """Per-thread start-up for a thread other than the loading one that runs this runner's
+        steps (the server's engine thread): the cuDNN plans of whole-prefix backward windows,
+        which torch keeps per thread, for the length the warm-up built them for. Windows of a
+        thread without them run flash (`backward_ops.window_attention`)."""
+        if self.warm_prefix_len is not None:
+            from flexserve.worker.finetune_warmup import warmup_window_attention
+
+            warmup_window_attention(self, self.warm_prefix_len)
+
     # ----------------------------------------------------------------------------------- KV cache
+
     def initialize_kv_cache(self, max_model_len: int) -> int:
         """Size the cache from memory (after a profiling forward on CUDA), allocate it, bind it."""
         peak = self._profile_activation_peak(max_model_len) if self.device.type == "cuda" else 0
