@@ -98,7 +98,8 @@ class ModelRunner:
                 # runs the BGMV pair (its shrinks not folded into the GEMM).
                 layers = getattr(getattr(self.model, "model", None), "layers", ())
                 load_for_decode(self.device, bgmv_pairs=not layers or any(
-                    getattr(layer.mlp.down, "folded", None) is None for layer in layers))
+                    getattr(getattr(layer.mlp, "down", None), "folded", None) is None
+                    for layer in layers))
         self.num_blocks = 0
         # Sequence length the cuDNN plans of whole-prefix backward windows were built for
         # (`finetune_warmup.warmup_window_attention`); `prepare_thread` builds them again.
