@@ -9,6 +9,7 @@ import torch
 
 from flexserve.worker import backward_ops
 from flexserve.worker.backward_ops import window_attention
+from test_window_attention import autograd_nodes
 
 
 def reference_attention(q, k, v, scale):
@@ -61,12 +62,7 @@ def test_cuda_window_attention_never_takes_cudnn(n, end):
                for h, rows in ((heads, n), (kv_heads, end), (kv_heads, end)))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = window_attention(*leaves, dim ** -0.5)
-    nodes, todo = set(), [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and type(node).__name__ not in nodes:
-            nodes.add(type(node).__name__)
-            todo.extend(next_fn for next_fn, _ in node.next_functions)
+    nodes = autograd_nodes(out)
     assert not any("Cudnn" in name for name in nodes), nodes
     assert any("FlashAttention" in name for name in nodes), nodes
     expected = reference_attention(*(t.double().cpu() for t in (q, k, v)), dim ** -0.5)

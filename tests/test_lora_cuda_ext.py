@@ -40,16 +40,6 @@ HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture
-def fresh_loader():
-    """Forget earlier load attempts and logged reasons, so this test sees its own."""
-    cuda_ext._load.cache_clear()
-    cuda_ext._log_once.cache_clear()
-    yield
-    cuda_ext._load.cache_clear()
-    cuda_ext._log_once.cache_clear()
-
-
 # ------------------------------------------------------------------------------------------- CPU
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-only answer")
 def test_loader_declines_without_cuda_and_logs_why(fresh_loader, caplog, monkeypatch):

@@ -228,15 +228,6 @@ def test_load_for_decode_builds_only_when_decode_may_use_it(backend, device, pai
     assert len(ready) == int(loads) and all(f"BACKEND={backend}" in m for m in ready)
 
 
-@pytest.fixture
-def fresh_loader():
-    cuda_ext._load.cache_clear()
-    cuda_ext._log_once.cache_clear()
-    yield
-    cuda_ext._load.cache_clear()
-    cuda_ext._log_once.cache_clear()
-
-
 @pytest.mark.parametrize("backend,level", [("auto", logging.INFO), ("cuda", logging.WARNING)])
 def test_unavailable_extension_logs_one_line_saying_why(backend, level, fresh_loader, monkeypatch, caplog):
     # Falling back is expected under the default (auto), a problem when cuda was asked for.
