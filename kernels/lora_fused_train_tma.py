@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flexserve_kernels.lora_fused_train import add_lora_fwd_term, grouped_tile
+from flexserve_kernels.lora_fused_train import add_lora_fwd_term, grouped_tile, rank_block
 from flexserve_kernels.lora_fused_train_bwd import add_lora_dx_term
 
 
@@ -140,46 +140,47 @@ def _check_supported(max_rank: int, *tensors: torch.Tensor) -> None:
                          "start at 16-byte boundaries (use base_gemm='blas')")
 
 
+def _launch(kernel, tuned_kernel, operands, tensors, rest, num_rows, num_cols, max_rank, blocks, **consts) -> None:
+    """Launch one of the TMA kernels: descriptors of `tensors` (in `operands`' order and blocks),
+    then the `rest` of its arguments, on a persistent grid of at most one program per SM over the
+    output's num_rows x num_cols tiles. Autotuned on CUDA unless `blocks` = (BLOCK_M, BLOCK_N,
+    BLOCK_K) is given (the interpreter's tests); the autotuner's pre_hook sets each config's
+    descriptor blocks, so the ones built here are placeholders then."""
+    device = tensors[0].device
+    tuned = device.type == "cuda" and blocks is None
+    bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
+    sizes = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+    descs = [_descriptor(t, (sizes[rows], sizes[cols])) for t, (_, rows, cols) in zip(tensors, operands)]
+    programs = _num_sms(device)
+    args = (*descs, *rest, programs)
+    consts["BLOCK_R"] = rank_block(max_rank)
+    if tuned:
+        grid = lambda c: (min(programs, triton.cdiv(num_rows, c["BLOCK_M"]) * triton.cdiv(num_cols, c["BLOCK_N"])),)  # noqa: E731
+        tuned_kernel[grid](*args, **consts)
+        return
+    grid = (min(programs, triton.cdiv(num_rows, bm) * triton.cdiv(num_cols, bn)),)
+    kernel[grid](*args, **sizes, GROUP_M=4, num_warps=4, num_stages=3, **consts)
+
+
 def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None) -> None:
-    """Kernel 2 with the GEMM over TMA into y [T, out]; autotuned on CUDA unless `blocks`
-    = (BLOCK_M, BLOCK_N, BLOCK_K) is given (the interpreter's tests)."""
+    """Kernel 2 with the GEMM over TMA into y [T, out]; tiles as in `_launch`."""
     _check_supported(lora_b.shape[2], x, weight, y)
     num_tokens, in_size = x.shape
     out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    tuned = x.device.type == "cuda" and blocks is None
-    bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
-    descs = (_descriptor(x, (bm, bk)), _descriptor(weight, (bn, bk)), _descriptor(y, (bm, bn)))
-    args = (*descs, s, lora_b, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
-            num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0),
-            lora_b.stride(0), lora_b.stride(1))
-    programs = _num_sms(x.device)
-    if tuned:
-        grid = lambda c: (min(programs, triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"])),)  # noqa: E731
-        _fwd_tuned[grid](*args, programs, BLOCK_R=block_r)
-        return
-    grid = (min(programs, triton.cdiv(num_tokens, bm) * triton.cdiv(out_size, bn)),)
-    _lora_train_linear_fwd_tma_kernel[grid](*args, programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=block_r,
-                                            GROUP_M=4, num_warps=4, num_stages=3)
+    rest = (s, lora_b, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings, num_tokens,
+            out_size, in_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0), lora_b.stride(0),
+            lora_b.stride(1))
+    _launch(_lora_train_linear_fwd_tma_kernel, _fwd_tuned, _FWD_OPERANDS, (x, weight, y), rest, num_tokens,
+            out_size, max_rank, blocks)
 
 
 def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None) -> None:
-    """Kernel 4 with the GEMM over TMA into dx [T, in]; tiles as in `linear_fwd_tma`."""
+    """Kernel 4 with the GEMM over TMA into dx [T, in]; tiles as in `_launch`."""
     _check_supported(lora_a.shape[1], dy, weight, dx)
     num_tokens, out_size = dy.shape
     in_size, max_rank = weight.shape[1], lora_a.shape[1]
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    tuned = dy.device.type == "cuda" and blocks is None
-    bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
-    descs = (_descriptor(dy, (bm, bk)), _descriptor(weight, (bk, bn)), _descriptor(dx, (bm, bn)))
-    args = (*descs, ds, lora_a, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-            num_tokens, in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens), ds.stride(0),
-            lora_a.stride(0), lora_a.stride(1))
-    programs = _num_sms(dy.device)
-    if tuned:
-        grid = lambda c: (min(programs, triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"])),)  # noqa: E731
-        _dx_tuned[grid](*args, programs, HAS_DROPOUT=slots.has_dropout, BLOCK_R=block_r)
-        return
-    grid = (min(programs, triton.cdiv(num_tokens, bm) * triton.cdiv(in_size, bn)),)
-    _lora_train_dx_bwd_tma_kernel[grid](*args, programs, HAS_DROPOUT=slots.has_dropout, BLOCK_M=bm, BLOCK_N=bn,
-                                        BLOCK_K=bk, BLOCK_R=block_r, GROUP_M=4, num_warps=4, num_stages=3)
+    rest = (ds, lora_a, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, num_tokens,
+            in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens), ds.stride(0), lora_a.stride(0),
+            lora_a.stride(1))
+    _launch(_lora_train_dx_bwd_tma_kernel, _dx_tuned, _DX_OPERANDS, (dy, weight, dx), rest, num_tokens, in_size,
+            max_rank, blocks, HAS_DROPOUT=slots.has_dropout)
