@@ -1,4 +1,5 @@
-"""Host (Python) milliseconds that fine-tuning forward windows add to an iteration, on the CPU.
+"""Host (Python) milliseconds that fine-tuning forward windows add to an iteration, on the CPU
+(and, with --model on a GPU, what they cost next to the device's own time).
 
 A tiny random Llama (default 32 layers, hidden 128: the layer count of Llama-3.1-8B, so the
 per-layer and per-linear Python costs add up as they do on the GPU, with little compute) runs on
@@ -28,6 +29,13 @@ one starting a sequence (its activation store, its backward state) is one in tha
 
     OMP_NUM_THREADS=1 python benchmarks/finetune_host_overhead.py [--window-tokens 64 256] \
         [--decode-rows 4] [--repeats 30] [--profile]
+
+On a GPU, `--model llama-3.1-8b` (dummy bf16 weights, wall clock) runs the real architecture;
+`--gpu-time` adds the `gpu` column: the CUDA kernel time of one window iteration (torch.profiler,
+median of 5), so `window` - `gpu` is the time the device waits for the host:
+
+    python benchmarks/finetune_host_overhead.py --model llama-3.1-8b --clock wall --gpu-time \
+        --window-tokens 16 64 256 1024 --decode-rows 16 --decode-context 512
 """
 
 from __future__ import annotations
@@ -189,8 +197,20 @@ class Bench:
         self.executor.finetune_runner.finish_sequences([(JOB_ID, start.sequence_id)])
 
 
+def kernel_seconds(run: Callable[[], Any]) -> float:
+    """The summed CUDA kernel time of one `run()` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type.name == "CUDA") / 1e6
+
+
 def measure(bench: Bench, window_tokens: int, windows_per_sequence: int, repeats: int,
-            backward_repeats: int, profile: cProfile.Profile | None) -> dict[str, float]:
+            backward_repeats: int, profile: cProfile.Profile | None,
+            gpu_time: bool = False) -> dict[str, float]:
     """Median seconds of the decode, window and backward iterations, and the window's split."""
     runner = bench.executor._finetune()
     model = bench.executor.model
@@ -216,6 +236,13 @@ def measure(bench: Bench, window_tokens: int, windows_per_sequence: int, repeats
                 fwd.append(forward.seconds)
                 loss.append(losses.seconds)
             bench.drop(start)
+        gpu = []
+        for _ in range(5 if gpu_time else 0):  # the second window of a sequence, a steady one
+            start = bench.sequence(window_tokens * windows_per_sequence)
+            plans = bench.forward_plans(start, window_tokens)
+            bench.run(plans[0])
+            gpu.append(kernel_seconds(lambda: bench.run(plans[1])))
+            bench.drop(start)
         backward = []
         if backward_repeats > 0:
             start = bench.sequence(window_tokens * windows_per_sequence)
@@ -228,7 +255,8 @@ def measure(bench: Bench, window_tokens: int, windows_per_sequence: int, repeats
         del model.forward, runner.window_losses
     med = lambda xs: statistics.median(xs[warm:]) if xs[warm:] else float("nan")  # noqa: E731
     return {"decode": med(decode), "prefill": med(prefill), "window": med(window),
-            "fwd": med(fwd), "loss": med(loss), "backward": med(backward), "faults": med(faults)}
+            "fwd": med(fwd), "loss": med(loss), "backward": med(backward), "faults": med(faults),
+            "gpu": statistics.median(gpu) if gpu else float("nan")}
 
 
 def main() -> None:
@@ -247,8 +275,15 @@ def main() -> None:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--profile", action="store_true", help="cProfile the window iterations")
     parser.add_argument("--profile-lines", type=int, default=30)
+    parser.add_argument("--model", default=None,
+                        help="a shipped architecture (llama-3.1-8b) with dummy bf16 weights on "
+                             "the GPU, instead of the tiny CPU model")
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="also the CUDA kernel time of a window iteration (GPU only)")
     args = parser.parse_args()
-    if os.environ.get("OMP_NUM_THREADS") != "1":
+    if args.gpu_time and not (args.model and torch.cuda.is_available()):
+        parser.error("--gpu-time needs --model and a GPU")
+    if args.clock == "cpu" and os.environ.get("OMP_NUM_THREADS") != "1":
         print("warning: set OMP_NUM_THREADS=1 (torch's threads distort host times)",
               file=sys.stderr)
     torch.set_num_threads(1)
@@ -257,19 +292,27 @@ def main() -> None:
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     max_len = args.windows_per_sequence * max(args.window_tokens) + args.decode_context
-    path = tiny_model_dir(args.num_layers, args.hidden_size, max_len)
-    llm = LLM(model=path, enable_lora=True, max_lora_rank=max(16, args.rank),
-              max_model_len=max_len, max_num_batched_tokens=max(max(args.window_tokens) + 64, 256),
-              num_blocks=3 * max_len // 16 + args.decode_rows * (args.decode_context // 16 + 1)
-              + 16, device="cpu", dtype="float32")
+    max_batched = max(max(args.window_tokens) + args.decode_rows + 64, 256)
+    if args.model:
+        llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", enable_lora=True,
+                  max_lora_rank=max(16, args.rank), max_model_len=max_len,
+                  max_num_batched_tokens=max_batched, gpu_memory_utilization=0.6)
+    else:
+        path = tiny_model_dir(args.num_layers, args.hidden_size, max_len)
+        llm = LLM(model=path, enable_lora=True, max_lora_rank=max(16, args.rank),
+                  max_model_len=max_len, max_num_batched_tokens=max_batched,
+                  num_blocks=3 * max_len // 16 + args.decode_rows * (args.decode_context // 16 + 1)
+                  + 16, device="cpu", dtype="float32")
     executor = llm.engine.executor
     bench = Bench(executor, args.decode_rows, args.decode_context, clock)
     bench.reserve_prefill(args.windows_per_sequence * max(args.window_tokens))
-    print(f"{args.num_layers} layers, hidden {args.hidden_size}, {args.decode_rows} decode rows "
+    config = executor.hf_config
+    print(f"{args.model or 'tiny'}: {config.num_hidden_layers} layers, hidden "
+          f"{config.hidden_size}, {args.decode_rows} decode rows "
           f"(context {args.decode_context}), rank {args.rank}, dropout {args.dropout}, "
           f"{args.clock} ms, median of {args.repeats}")
     header = (f"{'targets':<10} {'N':>5} {'decode':>8} {'prefill':>8} {'window':>8} {'extra':>8} "
-              f"{'ft':>8} {'fwd':>8} {'loss':>7} {'backward':>9} {'faults':>7}")
+              f"{'ft':>8} {'fwd':>8} {'loss':>7} {'backward':>9} {'faults':>7} {'gpu':>7}")
     print(header)
     print("-" * len(header))
     profile = cProfile.Profile() if args.profile else None
@@ -282,14 +325,14 @@ def main() -> None:
         try:
             for n in args.window_tokens:
                 r = measure(bench, n, args.windows_per_sequence, args.repeats,
-                            args.backward_repeats, None)
+                            args.backward_repeats, None, args.gpu_time)
                 if profile is not None:  # a pass of its own: the profiler slows what it sees
                     measure(bench, n, args.windows_per_sequence, args.repeats, 0, profile)
                 ms = {k: 1e3 * v for k, v in r.items()}
                 print(f"{targets:<10} {n:>5} {ms['decode']:>8.2f} {ms['prefill']:>8.2f} "
                       f"{ms['window']:>8.2f} {ms['window'] - ms['decode']:>8.2f} "
                       f"{ms['window'] - ms['prefill']:>8.2f} {ms['fwd']:>8.2f} {ms['loss']:>7.2f} "
-                      f"{ms['backward']:>9.2f} {r['faults']:>7.0f}", flush=True)
+                      f"{ms['backward']:>9.2f} {r['faults']:>7.0f} {ms['gpu']:>7.2f}", flush=True)
         finally:
             executor.remove_finetune_job(JOB_ID)
     if profile is not None:

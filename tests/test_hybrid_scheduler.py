@@ -14,7 +14,7 @@ import pytest
 
 from flexserve.config import CacheConfig, CoserveConfig, SchedulerConfig
 from flexserve.engine.finetune_scheduler import FinetuneJobState, TrainingSequence
-from flexserve.engine.hybrid_scheduler import WINDOW_ALIGNMENT
+from flexserve.engine.hybrid_scheduler import FLOOR_SLACK, WINDOW_ALIGNMENT, _aligned
 from flexserve.engine.latency_model import IterationShape, plan_shape
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
@@ -395,12 +395,17 @@ def test_fine_tuning_jobs_of_two_tenants_share_windows_by_vtc():
 
 def test_an_idle_device_too_slow_for_the_slo_still_makes_progress():
     # Every window is predicted over the SLO: without inference rows, fine-tuning still gets its
-    # minimum share (else nothing would run, be measured, or ever change the prediction).
-    model = FakeLatencyModel(base=1.0)
+    # minimum share (else nothing would run, be measured, or ever change the prediction), grown
+    # while the iteration stays within FLOOR_SLACK of the floor's own: the fixed costs dominate.
+    model = FakeLatencyModel(base=1.0, per_token=1e-3)
     scheduler = make_scheduler(model=model, finetune_min_share=0.02)
-    add_job(scheduler, lengths=(100,))
+    add_job(scheduler, lengths=(1000,))
     plan = step(scheduler)
-    assert sum(w.end - w.start for w in plan.finetune_windows) == math.ceil(0.02 * BUDGET)
+    floor = math.ceil(0.02 * BUDGET)
+    grown = int((1.0 + floor * 1e-3) * FLOOR_SLACK / 1e-3) + floor  # base + tokens, +10%
+    window = sum(w.end - w.start for w in plan.finetune_windows)
+    assert floor < window == _aligned(grown, 1000)
+    assert model.predict(plan_shape(plan)) <= (1 + FLOOR_SLACK) * (1.0 + floor * 1e-3)
     # With inference rows that fit, nothing is forced beside them: backward, which is
     # predicted over the SLO, does not run.
     fast_rows = FakeLatencyModel(base=0.0, per_token=1e-6, per_backward_token=1.0)

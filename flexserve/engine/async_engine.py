@@ -85,6 +85,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is the engine dead?" against enqueuing an add
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # time.monotonic() of the running step's start
         self._dead_error: EngineDeadError | None = None
         self._ids = itertools.count()
         # Engine-thread state: parent request id -> its tracker (queue, loop, timings).
@@ -290,6 +291,9 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         self._prepare_thread()
+        trace = self.engine.scheduler.hybrid.trace
+        if trace is not None:
+            trace.start_stall_watchdog(lambda: self._step_started)
         try:
             stalled = False  # the last step had fine-tuning work but placed nothing
             while True:
@@ -379,8 +383,11 @@ class AsyncLLMEngine:
         tracker.deliver(_ABORTED)
 
     def _step(self, stats: IterationStats) -> None:
-        start = time.monotonic()
-        outputs = self.engine.step()
+        start = self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._step_started = None
         now = time.monotonic()
         step_stats = self.engine.last_step_stats
         if step_stats is not None:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from flexserve.config import CoserveConfig, SchedulerConfig
 from flexserve.engine.fairness import VirtualTokenCounter, VTCWeights
 from flexserve.engine.finetune_scheduler import FinetuneJobState, TokenBudgetSizer
+from flexserve.engine.iteration_trace import IterationTrace
 from flexserve.engine.latency_model import (
     IterationShape,
     OnlineLatencyModel,
@@ -66,11 +67,18 @@ class LatencyWindowSizer:
     backward layer-window token counts 1/num_layers, so the floor buys as much backward as it
     buys forward). Forward tokens also respect the step's remaining token budget; one backward
     window is at most `max_window_tokens` long (its intermediate tensors scale with it).
+
+    With `floor_slack` > 0, a window the floor grants grows while the predicted iteration stays
+    within (1 + floor_slack) x what it is with the floor's tokens: an iteration that carries a
+    window at all pays its fixed costs (on the H200 with Llama-3.1-8B, a forward window of 16
+    tokens took 29 ms and one of 1024 tokens 45 ms, host-bound below ~1000 tokens), so a floor
+    of a few tokens would pay nearly the whole price for nothing. The scheduler sets it where no
+    inference row rides in the iteration.
     """
 
     def __init__(self, predict: Callable[[IterationShape], float], shape: IterationShape,
                  limit_s: float, max_forward_tokens: int, max_window_tokens: int,
-                 num_layers: int, floor_tokens: int = 0) -> None:
+                 num_layers: int, floor_tokens: int = 0, floor_slack: float = 0.0) -> None:
         self.predict = predict
         self.shape = shape  # the iteration so far: inference rows plus the windows granted
         self.limit_s = limit_s
@@ -78,6 +86,7 @@ class LatencyWindowSizer:
         self.max_window_tokens = max_window_tokens
         self.num_layers = max(num_layers, 1)
         self.floor_left = float(floor_tokens)  # minimum share still owed, in forward tokens
+        self.floor_slack = floor_slack
         self.num_forward_tokens = 0
         self.num_backward_tokens = 0
 
@@ -85,10 +94,9 @@ class LatencyWindowSizer:
         cap = min(max_tokens, self.forward_left)
         if cap <= 0:
             return 0
-        n = _aligned(max_window(
-            lambda s: self.predict(self.shape + forward_window_shape(start, s)),
-            self.limit_s, cap), cap)
-        n = max(n, min(cap, math.ceil(self.floor_left)))
+        cost = lambda s: self.predict(self.shape + forward_window_shape(start, s))  # noqa: E731
+        n = _aligned(max_window(cost, self.limit_s, cap), cap)
+        n = self._with_floor(n, cost, cap, min(cap, math.ceil(self.floor_left)))
         if n:
             self.shape = self.shape + forward_window_shape(start, n)
             self.forward_left -= n
@@ -100,19 +108,29 @@ class LatencyWindowSizer:
         cap = min(max_tokens, self.max_window_tokens, end)
         if cap <= 0:
             return 0
-        n = _aligned(max_window(
-            lambda s: self.predict(self.shape + backward_window_shape(end - s, end)),
-            self.limit_s, cap), cap)
-        n = max(n, min(cap, math.ceil(self.floor_left * self.num_layers)))
+        cost = lambda s: self.predict(self.shape + backward_window_shape(end - s, end))  # noqa: E731
+        n = _aligned(max_window(cost, self.limit_s, cap), cap)
+        n = self._with_floor(n, cost, cap, min(cap, math.ceil(self.floor_left * self.num_layers)))
         if n:
             self.shape = self.shape + backward_window_shape(end - n, end)
             self.floor_left = max(self.floor_left - n / self.num_layers, 0.0)
             self.num_backward_tokens += n
         return n
 
+    def _with_floor(self, n: int, cost: Callable[[int], float], cap: int, floor: int) -> int:
+        """`n` (what fits the limit), or the floor's grant where that is larger, grown by
+        `floor_slack` (see the class docstring)."""
+        if floor <= n:
+            return n
+        if self.floor_slack > 0:
+            floor = max(floor, _aligned(max_window(
+                cost, cost(floor) * (1.0 + self.floor_slack), cap), cap))
+        return floor
+
 
 WINDOW_ALIGNMENT = 128  # window sizes the latency model picks are multiples of this
 OVERHEAD_EWMA_ALPHA = 0.1  # weight of one sample in the host-overhead average
+FLOOR_SLACK = 0.1  # a floor-granted window may lengthen an iteration with no inference by 10%
 
 
 def _aligned(n: int, cap: int) -> int:
@@ -186,6 +204,7 @@ class HybridTokenScheduler:
         self.last_predicted_s = 0.0  # the latency model's prediction for the last plan
         self._last_plan: BatchPlan | None = None  # that plan and its shape (observed after it ran)
         self._last_shape = IterationShape()
+        self.trace = IterationTrace.from_env()  # FLEXSERVE_ITERATION_TRACE
 
     # ---------------------------------------------------------------------------- the step
     def mode(self, has_inference_work: bool, has_finetune_work: bool) -> StepMode:
@@ -227,13 +246,15 @@ class HybridTokenScheduler:
         if pressure:
             limit = 0.0
         floor = self.floor_tokens if (saturated or pressure) else 0
+        slack = 0.0
         if not plan.sequences:
             # Nothing to protect: progress even when the model predicts that no window fits
             # (a device too slow for the SLO, or the fallback before its first fit), else the
-            # plan stays empty, nothing is measured and fine-tuning stalls for good.
-            floor = max(self.floor_tokens, 1)
+            # plan stays empty, nothing is measured and fine-tuning stalls for good. And a
+            # floor-granted window gets as long as its fixed costs make worth it.
+            floor, slack = max(self.floor_tokens, 1), FLOOR_SLACK
         sizer = LatencyWindowSizer(predict, shape, limit, budget_left,
-                                   self.max_num_batched_tokens, self.num_layers, floor)
+                                   self.max_num_batched_tokens, self.num_layers, floor, slack)
         finetune.schedule(plan, sizer, self.picker)
 
     def _ttft_pressure(self, waiting: Iterable[Request]) -> bool:
@@ -262,9 +283,15 @@ class HybridTokenScheduler:
         if due:
             self.in_finetune_phase = True
 
-    def observe(self, plan: BatchPlan, seconds: float) -> None:
-        """The measured time of an executed plan (corrects the latency model online)."""
+    def observe(self, plan: BatchPlan, seconds: float, thread_seconds: float | None = None) -> None:
+        """The measured time of an executed plan (corrects the latency model online);
+        `thread_seconds`, the engine thread's CPU time in it, only goes to the trace."""
         shape = self._last_shape if plan is self._last_plan else plan_shape(plan)
+        if self.trace is not None:
+            predicted = self.last_predicted_s if plan is self._last_plan \
+                else self.latency_model.predict(shape)
+            self.trace.record(shape, predicted, seconds, self.latency_model.scale,
+                              self.last_mode.value if self.last_mode else None, thread_seconds)
         self.latency_model.observe(shape, seconds)
 
     @property

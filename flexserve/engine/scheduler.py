@@ -357,9 +357,11 @@ class Scheduler:
                              result.finetune_errors)
         return updated
 
-    def observe_iteration(self, plan: BatchPlan, seconds: float) -> None:
-        """The measured time of an executed plan; corrects the latency model online."""
-        self.hybrid.observe(plan, seconds)
+    def observe_iteration(self, plan: BatchPlan, seconds: float,
+                          thread_seconds: float | None = None) -> None:
+        """The measured time of an executed plan; corrects the latency model online.
+        `thread_seconds`: the CPU time the engine thread spent on it (iteration traces)."""
+        self.hybrid.observe(plan, seconds, thread_seconds)
 
     def observe_overhead(self, seconds: float) -> None:
         """Host time between two back-to-back iterations (see HybridTokenScheduler)."""
