@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,6 +55,23 @@ def test_loader_declines_without_cuda_and_logs_why(fresh_loader, caplog, monkeyp
     assert len(messages) == 1 and expected in messages[0]  # logged once for two calls
     assert not cuda_ext.cuda_bgmv_available("cpu")
     assert not cuda_ext.cuda_bgmv_available("cuda")
+
+
+def test_decode_routing_never_builds_the_extension(fresh_loader, monkeypatch):
+    # Only the start-up (`load_for_decode`) builds; a decode-only batch before that runs Triton.
+    builds = []
+    monkeypatch.setattr(cuda_ext, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(cuda_ext, "_build", lambda: builds.append(1))
+    monkeypatch.delenv("FLEXSERVE_CUDA_EXT", raising=False)
+    monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "auto")
+    meta = LoRAKernelMeta.build([1, 1], [0, 1], "cpu")
+    assert not cuda_ext.cuda_bgmv_loaded("cuda")
+    assert not cuda_ext.cuda_decode_wanted("cuda", meta) and builds == []
+    monkeypatch.setattr(torch.ops, "flexserve", SimpleNamespace(lora_bgmv_shrink=1,
+                                                                lora_bgmv_expand=2), raising=False)
+    assert cuda_ext.load_lora_bgmv() is not None and builds == [1]  # the start-up's load
+    assert cuda_ext.cuda_bgmv_loaded("cuda") and not cuda_ext.cuda_bgmv_loaded("cpu")
+    assert cuda_ext.cuda_decode_wanted("cuda", meta) and builds == [1]
 
 
 def test_env_switch_turns_the_extension_off(fresh_loader, caplog, monkeypatch):

@@ -89,7 +89,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(lora_ops, "use_triton", lambda device: True)
     monkeypatch.setattr(lora_linear, "use_triton", lambda device: True)
     available = {"value": True}
-    monkeypatch.setattr(cuda_ext, "cuda_bgmv_available", lambda device: available["value"])
+    monkeypatch.setattr(cuda_ext, "cuda_bgmv_loaded", lambda device: available["value"])
     return calls, lambda value: available.update(value=value)
 
 

@@ -6,7 +6,7 @@
   used (`predicted`, corrected), the measured `seconds` of schedule + execute, the engine
   thread's CPU time in them (`thread_seconds`: far below `seconds` means the thread waited, for
   the device, the GIL or a lock), the online `scale` and the step `mode`;
-- `{"event": "triton_compile", "kernel", "seconds"}` for every Triton kernel variant compiled
+- `{"event": "triton_compile", "kernel", "seconds", "key"}` for every Triton kernel variant compiled
   while the engine runs (a variant the start-up warm-up missed stalls its iteration 0.5-1.5 s
   on an H200);
 - `{"event": "stall", "seconds", "stacks"}` once per engine step that is still running after
@@ -83,7 +83,8 @@ class IterationTrace:
                 return compile_fn(jit_fn, *args, **kwargs)
             finally:
                 trace.event("triton_compile", kernel=getattr(jit_fn, "__name__", str(jit_fn)),
-                            seconds=time.perf_counter() - began)
+                            seconds=time.perf_counter() - began,
+                            key=str(args[0])[:2000] if args else None)
 
         traced._flexserve_traced = True
         JITFunction._do_compile = traced
