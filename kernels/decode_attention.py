@@ -39,7 +39,8 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.maximum((per_split + BLOCK_N - 1) // BLOCK_N, 1) * BLOCK_N
 
 
-@triton.jit
+# stride_bt varies with the batch (see _paged_attention_kernel): not specialized.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

@@ -68,7 +68,9 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# stride_bt (the block tables' row stride, the batch's most blocks per row) is not specialized:
+# its divisibility by 16 changes with the batch, and each change compiled a variant mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
