@@ -406,6 +406,10 @@ def test_an_idle_device_too_slow_for_the_slo_still_makes_progress():
     window = sum(w.end - w.start for w in plan.finetune_windows)
     assert floor < window == _aligned(grown, 1000)
     assert model.predict(plan_shape(plan)) <= (1 + FLOOR_SLACK) * (1.0 + floor * 1e-3)
+    # A model that refuses the floor's own shape (the fallback's cap: inf) grants the floor only.
+    capped = make_scheduler(model=FakeLatencyModel(base=math.inf), finetune_min_share=0.02)
+    add_job(capped, lengths=(1000,))
+    assert sum(w.end - w.start for w in step(capped).finetune_windows) == floor
     # With inference rows that fit, nothing is forced beside them: backward, which is
     # predicted over the SLO, does not run.
     fast_rows = FakeLatencyModel(base=0.0, per_token=1e-6, per_backward_token=1.0)

@@ -122,9 +122,10 @@ class LatencyWindowSizer:
         `floor_slack` (see the class docstring)."""
         if floor <= n:
             return n
-        if self.floor_slack > 0:
+        floor_cost = cost(floor) if self.floor_slack > 0 else math.inf
+        if math.isfinite(floor_cost):  # inf: the fallback model refuses to extrapolate that far
             floor = max(floor, _aligned(max_window(
-                cost, cost(floor) * (1.0 + self.floor_slack), cap), cap))
+                cost, floor_cost * (1.0 + self.floor_slack), cap), cap))
         return floor
 
 
