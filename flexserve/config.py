@@ -172,6 +172,7 @@ class FinetuneConfig:
 
 
 _POLICIES = ("coserve", "temporal", "dynamic-temporal", "spatial", "inference-only")
+_TPOT_MODES = ("iteration", "mean")
 
 
 @dataclass(slots=True)
@@ -182,6 +183,8 @@ class CoserveConfig:
     slo_tpot_ms: float | None = 50.0  # time-per-output-token SLO: the iteration time the
     # windows fit in; None: no SLO, fine-tuning windows fill the token budget (offline use)
     slo_ttft_ms: float = 5000.0  # time-to-first-token SLO (attainment, and TTFT pressure)
+    slo_tpot_mode: str = "iteration"  # iteration: every iteration within the TPOT limit
+    # (FlexLLM 6.2); mean: the mean of the last iterations with running requests within it
     slo_margin: float = 0.2  # fraction of the TPOT SLO kept free for latency-model error and
     # for the occasional backward iteration 2-3x slower than its shape predicts (measured on an
     # H200, docs/benchmarks.md)
@@ -202,6 +205,9 @@ class CoserveConfig:
             raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
         _positive("slo_tpot_ms", self.slo_tpot_ms, allow_none=True)
         _positive("slo_ttft_ms", self.slo_ttft_ms)
+        if self.slo_tpot_mode not in _TPOT_MODES:
+            raise ValueError(f"slo_tpot_mode must be one of {_TPOT_MODES}, got "
+                             f"{self.slo_tpot_mode!r}")
         for name in ("slo_margin", "finetune_min_share", "ttft_pressure"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \

@@ -14,7 +14,13 @@ import pytest
 
 from flexserve.config import CacheConfig, CoserveConfig, SchedulerConfig
 from flexserve.engine.finetune_scheduler import FinetuneJobState, TrainingSequence
-from flexserve.engine.hybrid_scheduler import FLOOR_SLACK, WINDOW_ALIGNMENT, _aligned
+from flexserve.engine.hybrid_scheduler import (
+    FLOOR_SLACK,
+    MAX_ITERATION_SLOS,
+    TPOT_MEAN_WINDOW,
+    WINDOW_ALIGNMENT,
+    _aligned,
+)
 from flexserve.engine.latency_model import IterationShape, plan_shape
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
@@ -423,3 +429,56 @@ def test_an_idle_device_too_slow_for_the_slo_still_makes_progress():
             assert not plan.backward_windows
             checked += 1
     assert checked >= 5
+
+
+class FixedWindowCostModel(FakeLatencyModel):
+    """FakeLatencyModel plus a fixed cost for an iteration with any fine-tuning work (the host
+    cost of a window iteration, which dominates small windows on the GPU)."""
+
+    def __init__(self, fixed: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fixed = fixed
+
+    def predict(self, shape: IterationShape) -> float:
+        busy = shape.finetune_tokens or shape.backward_tokens
+        return super().predict(shape) + (self.fixed if busy else 0.0)
+
+
+def _run_with_a_request(mode: str, steps: int = 120) -> tuple[list[float], int]:
+    """Iteration times (as predicted: the fake device runs exactly to the model) of the steps
+    with the running request, and fine-tuning forward tokens placed beside it."""
+    model = FixedWindowCostModel(fixed=0.95 * LIMIT, base=2e-3, per_token=1e-5)
+    scheduler = make_scheduler(model=model, slo_tpot_mode=mode)
+    add_job(scheduler, lengths=(4000,))
+    add_request(scheduler, "r", prompt_len=8, max_tokens=10_000)
+    times, tokens = [], 0
+    for _ in range(steps):
+        plan = step(scheduler)
+        seconds = model.predict(plan_shape(plan))
+        scheduler.observe_iteration(plan, seconds)
+        assert plan.sequences
+        times.append(seconds)
+        tokens += sum(w.end - w.start for w in plan.finetune_windows)
+    return times, tokens
+
+
+def test_iteration_mode_keeps_every_iteration_within_the_limit():
+    # A window's fixed cost alone leaves no room beside the decode row: nothing fits, no
+    # iteration goes over the limit, and fine-tuning waits (the inference rows fit, so no floor).
+    times, tokens = _run_with_a_request("iteration")
+    assert max(times) <= LIMIT and tokens == 0
+
+
+def test_mean_mode_keeps_the_running_mean_within_the_limit():
+    # Short decode iterations leave room: windows run in longer iterations, while the mean of
+    # every TPOT_MEAN_WINDOW consecutive iterations stays within the limit.
+    times, tokens = _run_with_a_request("mean")
+    assert tokens > 0
+    assert max(times) > LIMIT and max(times) <= MAX_ITERATION_SLOS * SLO_MS / 1000
+    for i in range(len(times) - TPOT_MEAN_WINDOW + 1):
+        assert sum(times[i:i + TPOT_MEAN_WINDOW]) / TPOT_MEAN_WINDOW <= LIMIT * (1 + 1e-9)
+
+
+def test_tpot_mode_is_validated():
+    with pytest.raises(ValueError, match="slo_tpot_mode"):
+        CoserveConfig(slo_tpot_mode="median")

@@ -9,6 +9,9 @@ The inference rows of a step are chosen first (iteration-level scheduling with c
   each iteration also costs outside schedule + execute, see `observe_overhead`). When the inference work
   alone is predicted over the limit, or a waiting prompt is close to its TTFT deadline, fine-tuning
   gets only its minimum share (`finetune_min_share` of the token budget), so it never starves.
+  With `slo_tpot_mode="mean"` the limit of an iteration with running requests is what keeps the
+  mean of the last TPOT_MEAN_WINDOW such iterations within the TPOT limit (a request's TPOT is
+  a mean), up to MAX_ITERATION_SLOS x the SLO (`effective_limit_s`).
 - `temporal` / `dynamic-temporal`: no fine-tuning in inference iterations; after every n inference
   iterations (fixed n, or appendix A's algorithm 3) the engine runs fine-tuning-only iterations
   until one optimizer step completes.
@@ -29,6 +32,7 @@ import enum
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from flexserve.config import CoserveConfig, SchedulerConfig
@@ -132,6 +136,8 @@ class LatencyWindowSizer:
 WINDOW_ALIGNMENT = 128  # window sizes the latency model picks are multiples of this
 OVERHEAD_EWMA_ALPHA = 0.1  # weight of one sample in the host-overhead average
 FLOOR_SLACK = 0.1  # a floor-granted window may lengthen an iteration with no inference by 10%
+TPOT_MEAN_WINDOW = 32  # slo_tpot_mode "mean": iterations whose mean time the limit bounds
+MAX_ITERATION_SLOS = 3.0  # slo_tpot_mode "mean": one iteration at most this many TPOT SLOs
 
 
 def _aligned(n: int, cap: int) -> int:
@@ -191,6 +197,10 @@ class HybridTokenScheduler:
         # not see (update, output processing, handing outputs to clients): a running request's
         # next token waits for it too, so the window sizing takes it off the limit.
         self.overhead_s = 0.0
+        # slo_tpot_mode "mean": the last TPOT_MEAN_WINDOW - 1 iterations that had running
+        # requests, each with the host overhead after it (what their next token waited).
+        self.mean_mode = config.slo_tpot_mode == "mean"
+        self._token_iterations: deque[float] = deque(maxlen=TPOT_MEAN_WINDOW - 1)
         self.floor_tokens = math.ceil(config.finetune_min_share * self.max_num_batched_tokens)
         self.temporal = TemporalSharing(config.temporal_frequency) \
             if self.policy == SharingPolicy.TEMPORAL else None
@@ -241,7 +251,7 @@ class HybridTokenScheduler:
             return
         shape = plan_shape(plan)
         predict = self.latency_model.predict
-        limit = self.effective_limit_s
+        limit = self.effective_limit_s if plan.sequences else self.iteration_limit_s
         saturated = bool(plan.sequences) and predict(shape) > limit
         pressure = self._ttft_pressure(waiting)
         if pressure:
@@ -294,13 +304,36 @@ class HybridTokenScheduler:
             self.trace.record(shape, predicted, seconds, self.latency_model.scale,
                               self.last_mode.value if self.last_mode else None, thread_seconds)
         self.latency_model.observe(shape, seconds)
+        if plan.sequences:
+            self._token_iterations.append(seconds + self.overhead_s)
 
     @property
-    def effective_limit_s(self) -> float | None:
-        """What schedule + execute of one iteration may take: the limit less the overhead."""
+    def iteration_limit_s(self) -> float | None:
+        """The TPOT limit less the host overhead: what one iteration may take on its own."""
         if self.limit_s is None:
             return None
         return max(self.limit_s - self.overhead_s, 0.0)
+
+    @property
+    def effective_limit_s(self) -> float | None:
+        """What schedule + execute of an iteration with running requests may take.
+
+        slo_tpot_mode "iteration" (FlexLLM 6.2): `iteration_limit_s`. "mean": what keeps the
+        mean of this and the last TPOT_MEAN_WINDOW - 1 such iterations (overhead included)
+        within the limit, between half the iteration limit and MAX_ITERATION_SLOS x the SLO. A
+        request's TPOT is the mean of its inter-token times, so decode iterations far under
+        the limit (CUDA graphs: 6-8 ms against 40 ms on an H200 with Llama-3.1-8B) leave
+        room for fine-tuning iterations longer than one limit, whose fixed host costs (~30 ms
+        a window iteration) then buy far more tokens. Until the window has filled it is the
+        iteration limit."""
+        per_iteration = self.iteration_limit_s
+        if per_iteration is None or not self.mean_mode \
+                or len(self._token_iterations) < self._token_iterations.maxlen:
+            return per_iteration
+        budget = (TPOT_MEAN_WINDOW * self.limit_s - sum(self._token_iterations)
+                  - self.overhead_s)
+        most = MAX_ITERATION_SLOS * self.config.slo_tpot_ms / 1000.0
+        return min(max(budget, 0.5 * per_iteration), most)
 
     def observe_overhead(self, seconds: float) -> None:
         """Host time between the end of one iteration's execute and the start of the next, while

@@ -144,6 +144,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "[%(default)s]")
     group.add_argument("--slo-ttft-ms", type=float, default=coserve.slo_ttft_ms,
                        help="time-to-first-token SLO [%(default)s]")
+    group.add_argument("--slo-tpot-mode", default=coserve.slo_tpot_mode,
+                       choices=("iteration", "mean"),
+                       help="iteration: every co-served iteration fits the TPOT limit (FlexLLM); "
+                            "mean: the mean of the last 32 iterations with running requests "
+                            "does, so short decode iterations leave room for longer fine-tuning "
+                            "ones (at most 3x the SLO each) [%(default)s]")
     group.add_argument("--slo-margin", type=float, default=coserve.slo_margin,
                        help="fraction of the TPOT SLO kept free for prediction error "
                             "[%(default)s]")
@@ -259,6 +265,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,
+            slo_tpot_mode=args.slo_tpot_mode,
             finetune_min_share=args.finetune_min_share,
             temporal_frequency=args.temporal_frequency, latency_profile=args.latency_profile,
             finetune_backward_stream=args.finetune_backward_stream),
