@@ -447,14 +447,14 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
         return False
     ok = [r for r in rows if not r.get("error")]
     fig, (ax_slo, ax_ft) = plt.subplots(1, 2, figsize=(11, 4))
-    for policy in dict.fromkeys(r["policy"] for r in ok if r["rate"] is not None):
+    policies = list(dict.fromkeys(r["policy"] for r in ok if r["rate"] is not None))
+    for i, policy in enumerate(policies):  # one colour per policy in both panels
         points = sorted((r["rate"], r) for r in ok if r["policy"] == policy)
         xs = [x for x, _ in points]
-        ax_slo.plot(xs, [100 * (r["tpot_attainment"] or 0) for _, r in points], "o-",
-                    label=policy)
+        style = {"label": policy, "color": f"C{i % 10}"}
+        ax_slo.plot(xs, [100 * (r["tpot_attainment"] or 0) for _, r in points], "o-", **style)
         if policy != "inference-only":
-            ax_ft.plot(xs, [r["finetune_tokens_per_s"] or 0 for _, r in points], "o-",
-                       label=policy)
+            ax_ft.plot(xs, [r["finetune_tokens_per_s"] or 0 for _, r in points], "o-", **style)
     for r in ok:
         if r["policy"] == "finetune-only" and r["finetune_tokens_per_s"]:
             ax_ft.axhline(r["finetune_tokens_per_s"], ls="--", color="gray", label="finetune-only")
