@@ -100,7 +100,9 @@ class EngineCore:
     def step(self) -> tuple[list[Request], StepResult | None, StepStats | None]:
         """One iteration. Returns the requests that advanced or finished, the raw result, stats."""
         start = time.perf_counter()
-        thread_start = time.thread_time()
+        # The engine thread's CPU time goes only to an iteration trace.
+        traced = self.scheduler.hybrid.trace is not None
+        thread_start = time.thread_time() if traced else 0.0
         since, self._tokens_waiting_since = self._tokens_waiting_since, None
         if since is not None:
             self.scheduler.observe_overhead(start - since)
@@ -125,7 +127,8 @@ class EngineCore:
         result = wait()
         self._last_done = done = time.perf_counter()
         # Schedule + execute is what the next token waits for; the latency model predicts it.
-        self.scheduler.observe_iteration(plan, done - began, time.thread_time() - thread_start)
+        self.scheduler.observe_iteration(
+            plan, done - began, time.thread_time() - thread_start if traced else None)
         failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
         if self._pending is not None and not self.scheduler.num_running:

@@ -304,7 +304,7 @@ class HybridTokenScheduler:
             self.trace.record(shape, predicted, seconds, self.latency_model.scale,
                               self.last_mode.value if self.last_mode else None, thread_seconds)
         self.latency_model.observe(shape, seconds)
-        if plan.sequences:
+        if self.mean_mode and plan.sequences:
             self._token_iterations.append(seconds + self.overhead_s)
 
     @property
