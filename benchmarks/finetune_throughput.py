@@ -51,12 +51,18 @@ def main() -> None:
     parser.add_argument("--finetune-activation-budget", type=float, default=None, metavar="GIB",
                         help="activation budget per sequence: the lowest layers get remat chains "
                              "until the store fits [off]")
+    parser.add_argument("--finetune-activation-offload", action="store_true",
+                        help="under the budget, every other layer's activations go to pinned "
+                             "host memory before any layer gets remat chains [off]")
     parser.add_argument("--loss-chunk-rows", type=int, default=1024,
                         help="rows of full-vocabulary logits at once in the window loss "
                              "[%(default)s]")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time forward steps, backward steps, attention backward, "
                              "rematerialization, loss and optimizer (synchronizing timers)")
+    parser.add_argument("--memory-phases", action="store_true",
+                        help="also record the peak extra memory of each part: forward steps, the "
+                             "window loss, and the backward windows of each layer (GB)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the timed steps (torch.profiler) and print the GPU time by kernel")
     parser.add_argument("--window-attention", choices=["flash", "cudnn-buckets"], default=None,
@@ -67,6 +73,7 @@ def main() -> None:
     if args.window_attention is not None:
         os.environ["FLEXSERVE_WINDOW_ATTENTION"] = args.window_attention
     timers = install_timers() if args.breakdown else None
+    phases = install_memory_phases() if args.memory_phases else None
 
     from flexserve import LLM
     from flexserve.finetune.data import TrainingData, TrainingExample
@@ -80,6 +87,7 @@ def main() -> None:
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=True,
               remat_threshold=args.remat_threshold, remat_chains=args.remat_chains,
               activation_budget_gib=args.finetune_activation_budget,
+              activation_offload=args.finetune_activation_offload,
               loss_chunk_rows=args.loss_chunk_rows)
     engine = llm.engine
     vocab = engine.info.vocab_size
@@ -110,6 +118,9 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        if phases is not None:
+            phases.clear()
+            phases["(before)"] = before
         if timers is not None:
             timers.clear()
         profiler = _start_profiler() if args.profile else None
@@ -120,6 +131,9 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         kernel_table = _stop_profiler(profiler, elapsed, args.num_sequences) if profiler else None
         peak = torch.cuda.max_memory_allocated() - before
+        if phases is not None:  # each part reset the peak: the run's is the largest part's
+            phases.pop("(before)")
+            peak = max([peak, *(v for v in phases.values())])
         runner = engine.executor.finetune_runner
         layers = runner.jobs[job.job_id].layer_plans
         plan = layers.plans[-1]
@@ -131,17 +145,22 @@ def main() -> None:
             "lean_layers": list(layers.lean_layers),
             "lean_stored": sorted(layers.plans[layers.lean_layers[0]].stored)
             if layers.lean_layers else None,
+            "offload_layers": list(layers.offload_layers),
             "loss_chunk_rows": args.loss_chunk_rows,
             "window_attention": window_attention_mode(),
             "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
             "peak_extra_memory_gb": round(peak / 1e9, 3),
             "plan_activation_gb": round(layers.bytes_per_token * seq_len / 1e9, 3),
+            "plan_device_gb": round(layers.device_bytes_per_token * seq_len / 1e9, 3),
+            "plan_host_gb": round(layers.host_bytes_per_token * seq_len / 1e9, 3),
             "losses": [round(x, 4) for x in job.losses],
             "gpu": torch.cuda.get_device_name(),
         }
         if kernel_table is not None:
             row["gpu_ms_per_sequence_by_kernel"] = kernel_table
+        if phases is not None:
+            row["peak_extra_memory_gb_by_part"] = {k: round(v / 1e9, 3) for k, v in phases.items()}
         if timers is not None:
             row["seconds_per_sequence_by_part"] = {
                 k: round(v / args.num_sequences, 4) for k, v in sorted(timers.items())}
@@ -177,6 +196,53 @@ def _stop_profiler(profiler, elapsed: float, num_sequences: int, top: int = 25) 
     for key, ms in table.items():
         print(f"  {key:<{width}} {ms:9.2f}")
     return table
+
+
+def install_memory_phases() -> dict[str, int]:
+    """Wrap forward steps, the window loss and backward windows so that each records the peak
+    memory allocated while it ran, minus `phases["(before)"]` (bytes, the largest per part;
+    backward windows by layer)."""
+    import functools
+
+    from flexserve.worker import finetune_runner, layer_backward, model_runner
+
+    phases: dict[str, int] = {}
+    running: list[int] = []  # the peak so far of each part in progress (a part may nest another)
+
+    def record(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            torch.cuda.synchronize()
+            if running:  # the enclosing part keeps what it reached before this reset
+                running[-1] = max(running[-1], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            running.append(0)
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                peak = max(running.pop(), torch.cuda.max_memory_allocated())
+                if running:
+                    running[-1] = max(running[-1], peak)
+                if "(before)" in phases:
+                    key = name if isinstance(name, str) else name(*a, **k)
+                    phases[key] = max(phases.get(key, 0), peak - phases["(before)"])
+        return wrapper
+
+    runner = model_runner.ModelRunner
+    original = runner._execute
+
+    def execute(self, plan, finetune):
+        if plan.finetune_windows:
+            return record("forward step", original)(self, plan, finetune)
+        return original(self, plan, finetune)
+
+    runner._execute = execute
+    finetune_runner.window_loss = record("window loss", finetune_runner.window_loss)
+    seq = layer_backward.SequenceBackward
+    seq.backward_window = record(lambda self, layer, start, end: f"backward layer {layer:02d}",
+                                 seq.backward_window)
+    return phases
 
 
 def install_timers() -> dict[str, float]:

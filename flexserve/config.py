@@ -158,6 +158,9 @@ class FinetuneConfig:
     # GiB one sequence's activation store may take (at the job's longest sequence); layers go
     # to remat chains, lowest first, until it fits (`flexserve.peft.activation_budget`); None: off
     activation_budget_gib: float | None = None
+    # under a budget, put every other layer in pinned host memory before any goes to remat
+    # chains (`flexserve.worker.activation_offload`)
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         _positive("max_finetune_len", self.max_finetune_len, allow_none=True)

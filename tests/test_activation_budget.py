@@ -16,6 +16,7 @@ from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.model.registry import resolve_model
 from flexserve.peft.activation_budget import (
     GIB,
+    NUM_SLOTS,
     plan_job_layers,
     plan_layers,
 )
@@ -140,9 +141,12 @@ TARGETS = ["gate_proj", "up_proj", "down_proj"]
 SEQ_LEN = 40
 
 
-def new_llm(model_dir: str, budget_gib: float | None) -> LLM:
-    return LLM(model_dir, enable_lora=True, max_lora_rank=8, max_model_len=64,
-               max_num_batched_tokens=64, activation_budget_gib=budget_gib)
+def new_llm(model_dir: str, budget_gib: float | None, offload: bool = False) -> LLM:
+    # fp32 on CUDA too (the plans below assume 4-byte activations); no start-up warm-up job
+    # (CUDA): it trains max_model_len-token sequences, which budgets sized for SEQ_LEN cannot hold.
+    return LLM(model_dir, dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=64,
+               max_num_batched_tokens=64, activation_budget_gib=budget_gib,
+               activation_offload=offload, warmup=False)
 
 
 def job_inputs() -> tuple[TrainingData, Hyperparameters]:
@@ -157,9 +161,9 @@ def job_inputs() -> tuple[TrainingData, Hyperparameters]:
     return data, hp
 
 
-def train_one_step(model_dir: str, budget_gib: float | None):
+def train_one_step(model_dir: str, budget_gib: float | None, offload: bool = False):
     """(the job's LayerPlans, its adapter weights after one optimizer step)."""
-    engine = new_llm(model_dir, budget_gib).engine
+    engine = new_llm(model_dir, budget_gib, offload).engine
     state = engine.add_finetune_job(*job_inputs())
     job = engine.executor.finetune_runner.jobs[state.job_id]
     while not state.finished:
@@ -193,3 +197,78 @@ def test_a_job_under_a_budget_trains_the_same_adapter(tiny_config, tiny_checkpoi
         engine.add_finetune_job(*job_inputs())
     assert engine.scheduler.adapter_manager.num_resident == 0  # the slot was given back
     assert not engine.scheduler.finetune.jobs
+
+
+# ------------------------------------------------------------------- offload to host memory
+def test_offload_takes_every_other_layer_before_any_goes_lean(llama8b):
+    graph = build_layer_graph(llama8b, {"down_proj": "lora"}, rank=16)
+    full = LAYER0 + 31 * BASE
+    # Each offloaded layer saves BASE bytes per token; the ring costs NUM_SLOTS layers once.
+    for count in (3, 8, 13, 16):
+        budget = (full - count * BASE + NUM_SLOTS * BASE) * TOKENS
+        layers = plan_layers(graph, 2, 32, budget_bytes=budget, max_num_tokens=TOKENS,
+                             offload=True)
+        assert layers.offload_layers == tuple(range(1, 2 * count, 2)), count
+        assert layers.lean_layers == () and layers.num_bytes == budget
+        assert layers.host_bytes_per_token == count * BASE
+        assert layers.device_bytes_per_token == full - count * BASE + NUM_SLOTS * BASE
+        assert layers.bytes_per_token == full  # every plan as without the budget
+        fewer = plan_layers(graph, 2, 32, budget_bytes=budget - 1, max_num_tokens=TOKENS,
+                            offload=True)
+        assert len(fewer.offload_layers) == count + 1 or fewer.lean_layers  # minimal
+    # Past all 16 odd layers, the even ones go lean, the largest saving (not layer 0) first.
+    budget = (full - 16 * BASE + NUM_SLOTS * BASE - 3 * (BASE - LEAN)) * TOKENS
+    layers = plan_layers(graph, 2, 32, budget_bytes=budget, max_num_tokens=TOKENS, offload=True)
+    assert layers.offload_layers == tuple(range(1, 32, 2))
+    assert layers.lean_layers == (2, 4, 6) and layers.num_bytes == budget
+    # No budget, or one the store fits: nothing moves.
+    assert plan_layers(graph, 2, 32, max_num_tokens=TOKENS, offload=True).offload_layers == ()
+    assert plan_layers(graph, 2, 32, budget_bytes=full * TOKENS, max_num_tokens=TOKENS,
+                       offload=True).offload_layers == ()
+    with pytest.raises(ValueError, match="16 layers in host memory"):
+        plan_layers(graph, 2, 32, budget_bytes=GIB, max_num_tokens=TOKENS, offload=True)
+
+
+def test_offload_options(capsys):
+    from flexserve.entrypoints.cli import build_parser, engine_config_from_args
+
+    assert FinetuneConfig().activation_offload is False
+    args = build_parser().parse_args(["serve", "--finetune-activation-budget", "6.6",
+                                      "--finetune-activation-offload"])
+    assert engine_config_from_args(args).finetune.activation_offload is True
+    argv = ["--model", "llama-3.1-8b", "--targets", "down_proj", "--no-autograd",
+            "--max-finetune-len", "4096", "--finetune-activation-budget", "6.6",
+            "--finetune-activation-offload"]
+    assert finetune_plan_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("activation budget"))):]
+    assert table[0] == ("activation budget 6.6 GiB for one 4096-token sequence: 13 of 32 layers "
+                        "in pinned host memory (every other from layer 1), 0 with remat chains "
+                        "at threshold 0.6")
+    rows = [line.split() for line in table[2:]]
+    assert rows[2][:7] == ["offload", "in", "pinned", "host", "memory:", "layers", "1,"]
+    assert rows[2][-3:] == ["25", "-1,064,960", "-4.062"]
+    assert rows[3][0] == "ring" and rows[3][-2:] == ["163,840", "0.625"]
+    assert rows[4][:4] == ["on", "device", "1,667,072", "6.359"]
+    with pytest.raises(SystemExit):
+        finetune_plan_main(argv[:-3] + ["--finetune-activation-offload"])
+    assert "needs --finetune-activation-budget" in capsys.readouterr().err
+
+
+def test_a_job_with_offloaded_layers_trains_the_same_adapter(tiny_config, tiny_checkpoint):
+    """Offloaded rows come back exactly, so the adapter is the same: to the bit on the CPU; on
+    CUDA within 1e-6 (the attention backward's atomics may sum in another order)."""
+    config = tiny_config("llama", num_hidden_layers=6, max_position_embeddings=128)
+    model_dir = tiny_checkpoint(config, seed=8)
+    free, expected = train_one_step(model_dir, None)
+    layer = free.plans[1].bytes_per_token
+    budget_gib = ((free.bytes_per_token - layer) * SEQ_LEN + 0.5) / GIB  # 3 offloaded, 2 slots
+    plans, weights = train_one_step(model_dir, budget_gib, offload=True)
+    assert plans.offload_layers == (1, 3, 5) and plans.lean_layers == ()
+    assert plans.plans == free.plans
+    for key, pair in expected.items():
+        for ours, theirs in zip(weights[key], pair):
+            if torch.cuda.is_available():
+                assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-6, key
+            else:
+                assert torch.equal(ours, theirs), key

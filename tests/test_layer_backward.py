@@ -215,7 +215,8 @@ class CoServing:
     def alloc(self, num_tokens: int) -> list[int]:
         return [self.free.pop() for _ in range(-(-num_tokens // BLOCK_SIZE))]
 
-    def run(self, graph, plan, examples, inference, lora_dropout=0.0, max_window=24):
+    def run(self, graph, plan, examples, inference, lora_dropout=0.0, max_window=24,
+            offload_layers=()):
         """Train on `examples` (ids, loss mask) while serving `inference` ([ids, slot]); returns
         (grads, loss sum, inference rows, schedule of the inference rows per step)."""
         rng, model = self.rng, self.model
@@ -224,7 +225,8 @@ class CoServing:
         seqs = []
         for ids, mask in examples:
             store = ActivationStore(graph, plan, model.num_layers, len(ids), torch.float32, "cpu",
-                                    lora_dropout=lora_dropout, dropout_seed=DROPOUT_SEED)
+                                    lora_dropout=lora_dropout, dropout_seed=DROPOUT_SEED,
+                                    offload_layers=offload_layers)
             table = self.alloc(len(ids))
             backward = SequenceBackward(model, store, len(ids), table, BLOCK_SIZE, JOB_SLOT, grads)
             seqs.append(FinetuneSeq(ids, mask, table, store, backward))
@@ -315,7 +317,8 @@ def max_rel_error(ours: dict, ref: dict) -> float:
 
 
 def check_against_peft(path, lora_kwargs, plan_kind, lengths, tmp_path, seed,
-                       b_std=0.2, inference_lengths=(9, 17), ref_dtypes=(torch.float32,)):
+                       b_std=0.2, inference_lengths=(9, 17), ref_dtypes=(torch.float32,),
+                       offload_layers=()):
     """Train through the co-serving loop; returns our gradients and HF + PEFT's in each of
     `ref_dtypes` (the first one's loss and adapter are used)."""
     model, hf_config = build_model(path)
@@ -338,7 +341,8 @@ def check_against_peft(path, lora_kwargs, plan_kind, lengths, tmp_path, seed,
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in [*lengths, *inference_lengths]) + 3
     rig = CoServing(model, hf_config, num_blocks, seed)
     with torch.inference_mode():  # as the model runner runs a step
-        grads, loss_sum, infs, schedule = rig.run(graph, plan, examples, inference, dropout)
+        grads, loss_sum, infs, schedule = rig.run(graph, plan, examples, inference, dropout,
+                                                  offload_layers=offload_layers)
         alone = inference_alone(model, hf_config, num_blocks, infs, schedule)
     assert loss_sum == pytest.approx(ref_loss, rel=1e-5)
     for inf, expected in zip(infs, alone):
@@ -378,6 +382,22 @@ def test_tiny_llama_gradients_equal_peft(case, tiny_config, tiny_checkpoint, tmp
                                      seed=sorted(TINY_CASES).index(case))
     err = max_rel_error(grads, refs[torch.float32])
     print(f"{case}: max relative gradient error {err:.2e}")
+    assert err <= REL_TOL
+
+
+@pytest.mark.parametrize("plan_kind, offload", [("pruned", (0, 1, 2, 3, 4)),
+                                                ("per-layer", (1, 3))])
+def test_offloaded_layers_gradients_equal_peft(plan_kind, offload, tiny_config, tiny_checkpoint,
+                                               tmp_path):
+    """Layers kept in host memory through the ring of device slots (CPU: synchronous copies,
+    the same bookkeeping), with dropout bitmasks, two sequences interleaved."""
+    config = tiny_config("llama", num_hidden_layers=5, max_position_embeddings=128)
+    path = tiny_checkpoint(config, seed=6)
+    lora_kwargs = dict(r=8, lora_alpha=16, lora_dropout=0.2, target_modules=ALL)
+    grads, refs = check_against_peft(path, lora_kwargs, plan_kind, [33, 50], tmp_path, seed=21,
+                                     offload_layers=offload)
+    err = max_rel_error(grads, refs[torch.float32])
+    print(f"offload {offload}: max relative gradient error {err:.2e}")
     assert err <= REL_TOL
 
 

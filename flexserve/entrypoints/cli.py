@@ -186,6 +186,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "for the job's longest sequence): the lowest layers switch to remat "
                             "chains (at --remat-threshold, else 0.6) until it fits; a job that "
                             "cannot fit fails [off]")
+    group.add_argument("--finetune-activation-offload", action="store_true",
+                       help="under --finetune-activation-budget, keep every other layer's "
+                            "activations in pinned host memory (copied on a side stream while "
+                            "the GPU computes) before any layer recomputes [off]")
     group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
     group.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters (loaded at start-up or at run time)")
@@ -261,7 +265,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 remat_threshold=args.remat_threshold,
                                 remat_chains=args.remat_chains,
                                 warmup=not args.no_finetune_warmup,
-                                activation_budget_gib=args.finetune_activation_budget),
+                                activation_budget_gib=args.finetune_activation_budget,
+                                activation_offload=args.finetune_activation_offload),
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,

@@ -70,6 +70,9 @@ def add_finetune_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--finetune-activation-budget", type=float, default=None, metavar="GIB",
                         help="as for serve: GiB a --max-finetune-len sequence's activations may "
                              "take; the lowest layers get remat chains until it fits")
+    parser.add_argument("--finetune-activation-offload", action="store_true",
+                        help="as for serve: under the budget, every other layer's activations "
+                             "go to pinned host memory before any layer gets remat chains")
     parser.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 "
                         "[%(default)s]")
     parser.add_argument("--num-layers-shown", type=int, default=3,
@@ -122,6 +125,9 @@ def _check_args(args: argparse.Namespace) -> None:
         if args.max_finetune_len is None:
             raise ValueError("--finetune-activation-budget needs --max-finetune-len: the budget "
                              "holds one sequence of that many tokens")
+    elif args.finetune_activation_offload:
+        raise ValueError("--finetune-activation-offload needs --finetune-activation-budget: "
+                         "layers go to host memory only as far as the budget needs")
     if args.num_layers_shown < 1:
         raise ValueError(f"--num-layers-shown must be >= 1, got {args.num_layers_shown}")
 
@@ -144,7 +150,7 @@ def finetune_plan(args: argparse.Namespace) -> int:
     layers = None if args.max_finetune_len is None else plan_layers(
         graph, dtype_bytes, num_layers, args.remat_threshold, args.remat_chains,
         budget_bytes_from_gib(args.finetune_activation_budget), args.max_finetune_len,
-        layer0_input_grad=args.layer0_input_grad)
+        layer0_input_grad=args.layer0_input_grad, offload=args.finetune_activation_offload)
     plans = {grad: plan_pruning(graph, dtype_bytes, threshold, input_grad=grad,
                                 chains=args.remat_chains)
              for grad in sorted(grads, reverse=True)}
@@ -237,9 +243,14 @@ def print_layer_plans(layers: LayerPlans) -> None:
     if layers.budget_bytes is None:
         print(f"\nevery layer's plan, one {tokens}-token sequence (no activation budget)")
     else:
+        mix = (f"{len(layers.lean_layers)} of {len(layers.plans)} layers with remat chains at "
+               f"threshold {layers.lean_threshold:g} (the lowest ones)")
+        if layers.offload_layers:
+            mix = (f"{len(layers.offload_layers)} of {len(layers.plans)} layers in pinned host "
+                   f"memory (every other from layer 1), {len(layers.lean_layers)} with remat "
+                   f"chains at threshold {layers.lean_threshold:g}")
         print(f"\nactivation budget {layers.budget_bytes / GIB:g} GiB for one {tokens}-token "
-              f"sequence: {len(layers.lean_layers)} of {len(layers.plans)} layers with remat "
-              f"chains at threshold {layers.lean_threshold:g} (the lowest ones)")
+              f"sequence: {mix}")
     print(f"{'layers':<10}{'plan':<50}{'B/token':>10}{'GiB':>9}  stores")
     first = 0
     for layer in range(1, len(layers.plans) + 1):
@@ -253,11 +264,26 @@ def print_layer_plans(layers: LayerPlans) -> None:
         print(f"{span:<10}{kind:<50}{plan.bytes_per_token:>10,}{num_bytes * tokens / GIB:>9.3f}"
               f"  {', '.join(sorted(plan.stored)) or '-'}")
         first = layer
+    if layers.offload_layers:
+        host = layers.host_bytes_per_token
+        ring = layers.device_bytes_per_token - (layers.bytes_per_token - host)
+        print(f"{'offload':<10}{'in pinned host memory: layers ' + _spans(layers.offload_layers):<50}"
+              f"{-host:>10,}{-host * tokens / GIB:>9.3f}")
+        print(f"{'ring':<10}{f'{ring // max(layers.plans[layers.offload_layers[0]].bytes_per_token, 1)} device slots of one layer':<50}"
+              f"{ring:>10,}{ring * tokens / GIB:>9.3f}")
     total = layers.num_bytes
-    print(f"{'total':<10}{'':<50}{layers.bytes_per_token:>10,}{total / GIB:>9.3f}  "
+    label = "on device" if layers.offload_layers else "total"
+    print(f"{label:<10}{'':<50}{layers.device_bytes_per_token:>10,}{total / GIB:>9.3f}  "
           f"({total / 1e9:.3f} GB for {tokens} tokens"
           + ("" if layers.budget_bytes is None else
              f", budget {layers.budget_bytes / GIB:g} GiB") + ")")
+
+
+def _spans(layers: tuple[int, ...]) -> str:
+    """1, 3, 5, 7 -> "1-7 odd"; other sets as a list."""
+    if len(layers) > 2 and all(b - a == 2 for a, b in zip(layers, layers[1:])):
+        return f"{layers[0]}, {layers[1]}, ..., {layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

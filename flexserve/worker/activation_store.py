@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.layer_graph import LayerGraph
+from flexserve.worker.activation_offload import HostOffload
 
 COMPRESSIONS = ("bitmask",)
 _TARGET_INDEX = {target: i for i, target in enumerate(TARGET_MODULES)}
@@ -95,12 +96,15 @@ class ActivationStore:
     KV-cache tensors (k, v_out: not kept here) and bool tensors (dropout masks), which are packed
     bitmasks [max_len, ceil(width / 8)] uint8. All buffers are allocated here, once.
     `lora_dropout` and `dropout_seed` are the job's; the graph has dropout ops exactly when
-    lora_dropout > 0.
+    lora_dropout > 0. The layers in `offload_layers` (all with the same plan) keep their buffers
+    in host memory instead (`HostOffload`); the backward calls `prepare_layer` before a layer's
+    first window; `offload_host_rows` sizes their host buffers (`HostOffload`).
     """
 
     def __init__(
         self, graph: LayerGraph, plan: Any, num_layers: int, max_len: int, dtype: torch.dtype,
         device: torch.device | str, *, lora_dropout: float = 0.0, dropout_seed: int = 0,
+        offload_layers: tuple[int, ...] = (), offload_host_rows: int | None = None,
     ) -> None:
         if num_layers < 1 or max_len < 1:
             raise ValueError(f"num_layers ({num_layers}) and max_len ({max_len}) must be >= 1")
@@ -125,9 +129,14 @@ class ActivationStore:
         self.stored_names: list[frozenset[str]] = []  # per layer: kept in full
         self.bitmask_names: list[frozenset[str]] = []  # per layer: kept as packed bits
         self._row_bytes: dict[tuple[int, str], int] = {}
+        self._widths: dict[tuple[int, str], int] = {}
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
+        offload = frozenset(offload_layers)
+        if not offload <= set(range(num_layers)):
+            raise ValueError(f"offload layers {sorted(offload)} are not all in 0..{num_layers - 1}")
         # A plan shared by many layers (the usual case) is checked and laid out once.
         layouts: dict[int, tuple[frozenset[str], frozenset[str], list[tuple]]] = {}
+        offload_layout = None
         for layer, layer_plan in enumerate(plans):
             layout = layouts.get(id(layer_plan))
             if layout is None:
@@ -137,13 +146,24 @@ class ActivationStore:
             full, bits, buffers = layout
             self.stored_names.append(full)
             self.bitmask_names.append(bits)
+            if layer in offload:
+                if offload_layout not in (None, buffers):
+                    raise ValueError("offloaded layers must keep the same tensors (one plan)")
+                offload_layout = buffers
             for name, width, elem in buffers:
                 key = (layer, name)
-                self._buffers[key] = torch.empty((max_len, width), dtype=elem, device=self.device)
+                if layer not in offload:
+                    self._buffers[key] = torch.empty((max_len, width), dtype=elem,
+                                                     device=self.device)
                 self._row_bytes[key] = width * elem.itemsize
-        self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._buffers, 0)
+                self._widths[key] = width
+        self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._row_bytes, 0)
+        self._offload = (HostOffload(offload_layout, tuple(offload), max_len, self.device,
+                                     host_rows=offload_host_rows)
+                         if offload and offload_layout else None)
         # kept up to date by free_layer: the runner sums it over every store after each step
-        self._num_bytes = sum(buf.nbytes for buf in self._buffers.values())
+        self._num_bytes = sum(buf.nbytes for buf in self._buffers.values()) + (
+            len(self._offload.slots) * self._offload.slot_bytes if self._offload else 0)
         self.num_forward_tokens = 0  # positions [0, this) have been through the forward
 
     def layer_bytes_per_token(self, layer: int) -> int:
@@ -152,8 +172,17 @@ class ActivationStore:
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of the buffers still allocated."""
+        """Device bytes of the buffers still allocated (offloaded layers: the ring's slots)."""
         return self._num_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of the offloaded layers not yet freed."""
+        return self._offload.host_bytes_left if self._offload else 0
+
+    @property
+    def offload_layers(self) -> tuple[int, ...]:
+        return self._offload.layers if self._offload else ()
 
     @property
     def num_bytes_stored(self) -> int:
@@ -177,18 +206,25 @@ class ActivationStore:
     def write(self, layer: int, name: str, start: int, rows: torch.Tensor) -> None:
         """Copy rows [n, >= width] (cast to the buffer's dtype) to positions [start, start + n)."""
         key = (layer, name)
-        buf = self._buffers[key]
         n = rows.shape[0]
-        width = buf.shape[1]
-        buf[start:start + n].copy_(rows if rows.shape[1] == width else rows[:, :width])
+        width = self._widths[key]
+        rows = rows if rows.shape[1] == width else rows[:, :width]
+        if self._offload is not None and layer in self._offload:
+            self._offload.write(layer, name, start, rows)
+        else:
+            self._buffers[key][start:start + n].copy_(rows)
         if start + n > self._num_written[key]:
             self._num_written[key] = start + n
 
     def write_mask(self, layer: int, name: str, start: int, keep: torch.Tensor) -> None:
         """Pack a bool [n, width] mask into the bitmask of `name` at [start, start + n)."""
-        key = (layer, name)
-        self._buffers[key][start:start + keep.shape[0]].copy_(pack_bits(keep))
-        self._num_written[key] = max(self._num_written[key], start + keep.shape[0])
+        self.write(layer, name, start, pack_bits(keep))
+
+    def prepare_layer(self, layer: int) -> None:
+        """Before `layer`'s first backward window: its offloaded rows (if any) come back to the
+        device, and the next offloaded layers below start coming."""
+        if self._offload is not None:
+            self._offload.prepare(layer, self.num_forward_tokens)
 
     def read(self, layer: int, name: str, start: int, end: int) -> torch.Tensor:
         """Positions [start, end) of a tensor kept in full: a view [end - start, width]."""
@@ -208,17 +244,26 @@ class ActivationStore:
         """Release one layer's buffers (its backward is done)."""
         for key in [key for key in self._buffers if key[0] == layer]:
             self._num_bytes -= self._buffers.pop(key).nbytes
+        for key in [key for key in self._num_written if key[0] == layer]:
             del self._num_written[key]
+        offload = self._offload
+        if offload is not None and layer in offload:
+            offload.release(layer)
+            if offload.done:  # every offloaded layer's backward is over: the ring goes too
+                self._num_bytes -= len(offload.slots) * offload.slot_bytes
+                self._offload = None
 
     def _buffer_rows(self, layer: int, name: str, end: int) -> torch.Tensor:
         key = (layer, name)
-        if key not in self._buffers:
+        if key not in self._num_written:
             raise KeyError(f"layer {layer} keeps no {name!r} (freed, or not in the plan)")
         if end > self._num_written[key]:
             raise RuntimeError(
                 f"layer {layer} {name!r}: positions up to {end} were asked for but only "
                 f"{self._num_written[key]} were captured (forward windows without the capture, "
                 "or fine-tuning rows without their LoRA slot?)")
+        if self._offload is not None and layer in self._offload:
+            return self._offload.read(layer, name)
         return self._buffers[key]
 
 

@@ -75,7 +75,7 @@ class _Job:
     def __init__(self, spec: FinetuneJobSpec, model: Any, hf_config: Any, device: torch.device,
                  dtype: torch.dtype, remat_threshold: float | None, remat_chains: bool = False,
                  activation_budget_gib: float | None = None,
-                 max_finetune_len: int | None = None) -> None:
+                 max_finetune_len: int | None = None, activation_offload: bool = False) -> None:
         lora = spec.hyperparameters.lora
         self.spec = spec
         if spec.init_adapter is not None:
@@ -110,7 +110,8 @@ class _Job:
             max_num_tokens = min(max_num_tokens, max_finetune_len)
         self.layer_plans: LayerPlans = plan_layers(
             self.graph, element, hf_config.num_hidden_layers, remat_threshold, remat_chains,
-            budget_bytes_from_gib(activation_budget_gib), max_num_tokens)
+            budget_bytes_from_gib(activation_budget_gib), max_num_tokens,
+            offload=activation_offload)
         self.plan: PruningPlan = self.layer_plans.plans[-1]  # the top layer's (lean if all are)
         params = {}
         for (layer, target), (a, b) in adapter.weights.items():
@@ -151,7 +152,7 @@ class FinetuneRunner:
                  dtype: torch.dtype, lora_manager: Any, remat_threshold: float | None = None,
                  loss_chunk_rows: int = 1024, remat_chains: bool = False,
                  activation_budget_gib: float | None = None,
-                 max_finetune_len: int | None = None) -> None:
+                 max_finetune_len: int | None = None, activation_offload: bool = False) -> None:
         self.model = model
         self.hf_config = hf_config
         self.block_size = block_size
@@ -161,6 +162,7 @@ class FinetuneRunner:
         self.remat_threshold = remat_threshold
         self.remat_chains = remat_chains
         self.activation_budget_gib = activation_budget_gib  # None: no budget
+        self.activation_offload = activation_offload  # budget: layers to host memory first
         self.max_finetune_len = max_finetune_len  # None: each job's max_seq_len bounds its data
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
@@ -202,7 +204,7 @@ class FinetuneRunner:
         with torch.no_grad():
             job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
                        self.remat_threshold, self.remat_chains, self.activation_budget_gib,
-                       self.max_finetune_len)
+                       self.max_finetune_len, self.activation_offload)
         self.jobs[spec.job_id] = job
         return job.plan
 
@@ -281,7 +283,9 @@ class FinetuneRunner:
                 store = ActivationStore(
                     job.graph, job.layer_plans.plans, len(self.model.model.layers), n, self.dtype,
                     self.device, lora_dropout=job.dropout,
-                    dropout_seed=_dropout_seed(job.spec.seed, start.sequence_id))
+                    dropout_seed=_dropout_seed(job.spec.seed, start.sequence_id),
+                    offload_layers=job.layer_plans.offload_layers,
+                    offload_host_rows=job.layer_plans.max_num_tokens)
                 backward = SequenceBackward(self.model, store, n, start.block_ids,
                                             self.block_size, job.spec.lora_slot,
                                             job.optimizer.grads)

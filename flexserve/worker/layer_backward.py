@@ -244,6 +244,7 @@ class SequenceBackward:
         if end != self.window_end or not 0 <= start < end:
             raise ValueError(f"backward window [{start}, {end}) of layer {layer} is out of order: "
                              f"the next one ends at {self.window_end} and is not empty")
+        self.store.prepare_layer(layer)  # offloaded rows come back (the next ones start to)
         with torch.no_grad():
             self._run_window(_Window(self, layer, start, end))
         self.window_end = start

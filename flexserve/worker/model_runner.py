@@ -368,6 +368,7 @@ class ModelRunner:
                 self.model, self.hf_config, self.block_size, self.device, self.dtype,
                 self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains,
                 activation_budget_gib=ft.activation_budget_gib,
+                activation_offload=ft.activation_offload,
                 max_finetune_len=ft.max_finetune_len or self.config.model.max_model_len)
         return self.finetune_runner
 
