@@ -68,15 +68,24 @@ def keep_threshold(p):
 
 
 @triton.jit
-def dropout_keep(seed, rows, cols, threshold):
-    """[rows, cols] keep mask of dropout with `keep_threshold(p)` (same bits as dropout_keep_ref).
-    Callers scale what they accumulate by 1 / (1 - p) once, not every kept element."""
-    # seed is added last: Triton may pass a seed of 1 as a constant, which has no .to().
-    h = rows.to(tl.uint32)[:, None] * _HASH_TOKEN + cols.to(tl.uint32)[None, :] * _HASH_COLUMN + seed
+def mix32(h):
+    """`mix32_ref` on uint32 values (their products wrap mod 2**32)."""
     h = h ^ (h >> 16)
     h = h * _HASH_MIX1
     h = h ^ (h >> 15)
     h = h * _HASH_MIX2
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def dropout_keep(seed, rows, cols, threshold):
+    """[rows, cols] keep mask of dropout with `keep_threshold(p)` (same bits as dropout_keep_ref:
+    mixed keys per row and per column, then per element one xor, multiply and xor-shift).
+    Callers scale what they accumulate by 1 / (1 - p) once, not every kept element."""
+    # seed is added last: Triton may pass a seed of 1 as a constant, which has no .to().
+    row_keys = mix32(rows.to(tl.uint32) * _HASH_TOKEN + seed)
+    col_keys = mix32(cols.to(tl.uint32) * _HASH_COLUMN)
+    h = (row_keys[:, None] ^ col_keys[None, :]) * _HASH_MIX1
     h = h ^ (h >> 16)
     return (h >> 8) >= threshold
 

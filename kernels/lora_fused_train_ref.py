@@ -18,17 +18,27 @@ HASH_MIX2 = 0x2C1B3C6D
 _MASK32 = 0xFFFFFFFF
 
 
-def dropout_keep_ref(seed: int, num_tokens: int, num_cols: int, p: float,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """[num_tokens, num_cols] bool: the elements dropout with probability p keeps, as the kernels
-    regenerate them (a 32-bit integer hash of seed, token and column, its top 24 bits as uniform)."""
-    tokens = torch.arange(num_tokens, dtype=torch.int64, device=device)[:, None]
-    cols = torch.arange(num_cols, dtype=torch.int64, device=device)[None, :]
-    h = (seed + tokens * HASH_TOKEN + cols * HASH_COLUMN) & _MASK32
+def mix32_ref(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xor-shift, multiply, twice) of int64 tensors in [0, 2**32)."""
     h = h ^ (h >> 16)
     h = (h * HASH_MIX1) & _MASK32
     h = h ^ (h >> 15)
     h = (h * HASH_MIX2) & _MASK32
+    return h ^ (h >> 16)
+
+
+def dropout_keep_ref(seed: int, num_tokens: int, num_cols: int, p: float,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """[num_tokens, num_cols] bool: the elements dropout with probability p keeps, as the kernels
+    regenerate them. Each token and each column gets a fully mixed 32-bit key (of the seed and the
+    token; of the column); an element's hash is one multiply and xor-shift of their xor, and its
+    top 24 bits are the uniform. The per-element work (6 integer ops) is what the kernels pay for
+    every element they drop out, three times a training step; the keys cost one vector each."""
+    tokens = torch.arange(num_tokens, dtype=torch.int64, device=device)[:, None]
+    cols = torch.arange(num_cols, dtype=torch.int64, device=device)[None, :]
+    row_keys = mix32_ref((seed + tokens * HASH_TOKEN) & _MASK32)
+    col_keys = mix32_ref((cols * HASH_COLUMN) & _MASK32)
+    h = ((row_keys ^ col_keys) * HASH_MIX1) & _MASK32
     h = h ^ (h >> 16)
     uniform = (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
     return uniform >= p
