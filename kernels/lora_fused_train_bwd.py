@@ -239,15 +239,16 @@ _dx_term_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": prune_by_rank})(_lora_train_dx_bwd_kernel)
 
 
-def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device):
+def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device,
+               per_sm: int = 2):
     """(rows_per_chunk, num_chunks, cols_per_split, num_splits) for kernels 3 and 5: up to 8 row
     chunks per segment (each chunk's partial gradient costs a [cols, r] fp32 write), then column
-    splits until about two programs per SM."""
+    splits until about `per_sm` programs per SM."""
     num_chunks = min(8, triton.cdiv(meta.max_seg_len, block_m))
     rows_per_chunk = triton.cdiv(triton.cdiv(meta.max_seg_len, num_chunks), block_m) * block_m
     num_chunks = triton.cdiv(meta.max_seg_len, rows_per_chunk)
     max_splits = triton.cdiv(num_cols, block_cols)
-    num_splits = max(1, min(max_splits, target_programs(device) // (meta.num_segments * num_chunks)))
+    num_splits = max(1, min(max_splits, target_programs(device, per_sm) // (meta.num_segments * num_chunks)))
     cols_per_split = triton.cdiv(max_splits, num_splits) * block_cols
     return rows_per_chunk, num_chunks, cols_per_split, triton.cdiv(num_cols, cols_per_split)
 
@@ -263,16 +264,24 @@ def _reduce_by_slot(part: torch.Tensor, out: torch.Tensor, meta: LoRAKernelMeta,
 
 
 def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, meta: LoRAKernelMeta,
-                         slots: LoRATrainSlots, *, block_m: int | None = None, block_n: int | None = None):
-    """Kernel 3: (dS [T, r_max] float32, zero rows without an adapter; dB like lora_b)."""
+                         slots: LoRATrainSlots, *, block_m: int | None = None, block_n: int | None = None,
+                         num_warps: int | None = None, num_stages: int = 3, per_sm: int = 2):
+    """Kernel 3: (dS [T, r_max] float32, zero rows without an adapter; dB like lora_b). The
+    keyword arguments override the tiles, warps, stages and programs per SM (tuning)."""
     check_launchable(dy, _lora_train_ds_db_bwd_kernel)
     num_tokens, out_size = dy.shape
     max_rank = lora_b.shape[2]
     if not meta.has_lora:
         return (torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=dy.device), torch.zeros_like(lora_b))
-    block_m = block_m or (16 if dy.device.type != "cuda" else 64)
-    block_n = block_n or (32 if dy.device.type != "cuda" else (128 if max_rank <= 32 else 64))
-    rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device)
+    # H200, bf16, rank 16 (session 11's sweep of tiles, warps and programs per SM; GPU time of the
+    # kernel and its reductions): 128 x 256 at 8 warps took 19.1 us at 4096 x 4096 and 54.3 at
+    # 8192 x 5120, against 24.1 and 59.6 for 64 x 128 at 4 warps, kept above rank 16.
+    wide = dy.device.type == "cuda" and max_rank <= 16 and block_m is None and block_n is None
+    block_m = block_m or (16 if dy.device.type != "cuda" else (128 if wide else 64))
+    block_n = block_n or (32 if dy.device.type != "cuda" else (256 if wide else 128 if max_rank <= 32 else 64))
+    num_warps = num_warps or (8 if wide or max_rank > 32 else 4)
+    rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device,
+                                                                     per_sm)
     ds_part = torch.zeros(num_splits, num_tokens, max_rank, dtype=torch.float32, device=dy.device)
     db_part = torch.empty(meta.num_segments * num_chunks, out_size, max_rank, dtype=torch.float32, device=dy.device)
     _lora_train_ds_db_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
@@ -282,8 +291,8 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
         db_part.stride(0), db_part.stride(1),
         # ptxas (sm_90, triton 3.9, bf16): 64 x 128 x rank 16 takes 130 registers at 4 warps; rank 128
         # spills there, hence 64-wide column tiles and 8 warps above rank 32.
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=rank_block(max_rank), num_warps=4 if max_rank <= 32 else 8,
-        num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=rank_block(max_rank),
+        num_warps=num_warps, num_stages=num_stages,
     )
     db = torch.empty_like(lora_b)
     _reduce_by_slot(db_part, db, meta, rows_per_chunk, num_chunks)
@@ -293,16 +302,24 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
 
 def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
                       slots: LoRATrainSlots, seed: int, *, block_m: int | None = None,
-                      block_k: int | None = None) -> torch.Tensor:
-    """Kernel 5: dA [slots, r_max, in] (lora_a's dtype) = dS^T dropout(x) per slot, zero for unused slots."""
+                      block_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
+                      per_sm: int | None = None) -> torch.Tensor:
+    """Kernel 5: dA [slots, r_max, in] (lora_a's dtype) = dS^T dropout(x) per slot, zero for unused
+    slots. The keyword arguments override the tiles, warps, stages and programs per SM (tuning)."""
     check_launchable(x, _lora_train_da_bwd_kernel)
     in_size = x.shape[1]
     max_rank = lora_a.shape[1]
     if not meta.has_lora:
         return torch.zeros_like(lora_a)
-    block_m = block_m or (16 if x.device.type != "cuda" else (64 if max_rank <= 32 else 32))
+    # H200, bf16, rank 16 (session 11's sweep): 32 x 128 tiles at 4 warps and 4 programs per SM
+    # took 21.9 us at 4096 x 4096 and 53.1 at 8192 x 5120, against 25.9 and 88.6 for 64 x 128 at
+    # 8 warps and 2 per SM; ranks above 32 keep 32 x 64 at 8 warps.
+    block_m = block_m or (16 if x.device.type != "cuda" else 32)
     block_k = block_k or (32 if x.device.type != "cuda" else (128 if max_rank <= 32 else 64))
-    rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device)
+    num_warps = num_warps or (4 if max_rank <= 32 else 8)
+    per_sm = per_sm or (4 if max_rank <= 32 else 2)
+    rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
+                                                                     per_sm)
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
     _lora_train_da_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
         x, ds, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
@@ -311,7 +328,7 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
         # ptxas (sm_90, triton 3.9, bf16, dropout on): 64 x 128 x tiles spill at 4 warps (rank 16);
         # at rank 128, 64 x 64 spills at 8 warps, 32 x 64 takes 215 registers.
         HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank),
-        num_warps=8, num_stages=3,
+        num_warps=num_warps, num_stages=num_stages,
     )
     da = torch.empty_like(lora_a)
     _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks)

@@ -322,11 +322,13 @@ for rank in (16, 128):
 # Kernel 1's autotune candidates (used up to rank 32).
 for m, k, w, s in kf.SHRINK_CONFIG_SHAPES:
     compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
-    compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=64, BLOCK_N=128 if wide else 64, BLOCK_R=rank),
-                4 if wide else 8, 3)
-    compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=64 if wide else 32,
-                                                   BLOCK_K=128 if wide else 64,
-                                                   BLOCK_R=rank), 8, 3)
+# Kernels 3 and 5 with the launchers' CUDA blocks and warps, by rank.
+for rank in (16, 32, 128):
+    bm, bn, w = (128, 256, 8) if rank <= 16 else (64, 128, 4) if rank <= 32 else (64, 64, 8)
+    compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank), w, 3)
+    compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=32,
+                                                   BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank),
+                4 if rank <= 32 else 8, 3)
 compile_one(kb._lora_train_slot_reduce_kernel, dict(BLOCK=1024), 4, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
 from flexserve_kernels import lora_fused_train_tma as kt
