@@ -18,6 +18,9 @@ import torch
 
 
 def _gpu_ms(fn, iters: int) -> float:
+    """Mean device milliseconds of `iters` back-to-back calls between two events. Not
+    offline_throughput.median_event_ms: it synchronizes the device after every call, which would
+    also wait for the side stream's copies that the GEMM timings below must overlap."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

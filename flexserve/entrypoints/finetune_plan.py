@@ -17,7 +17,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from flexserve.config import DEFAULT_MODEL
-from flexserve.peft.activation_budget import GIB, LayerPlans, budget_bytes_from_gib, plan_layers
+from flexserve.peft.activation_budget import (
+    GIB,
+    NUM_SLOTS,
+    LayerPlans,
+    budget_bytes_from_gib,
+    plan_layers,
+)
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import (
     DEFAULT_REMAT_THRESHOLD,
@@ -269,7 +275,7 @@ def print_layer_plans(layers: LayerPlans) -> None:
         ring = layers.device_bytes_per_token - (layers.bytes_per_token - host)
         print(f"{'offload':<10}{'in pinned host memory: layers ' + _spans(layers.offload_layers):<50}"
               f"{-host:>10,}{-host * tokens / GIB:>9.3f}")
-        print(f"{'ring':<10}{f'{ring // max(layers.plans[layers.offload_layers[0]].bytes_per_token, 1)} device slots of one layer':<50}"
+        print(f"{'ring':<10}{f'{NUM_SLOTS} device slots of one layer':<50}"
               f"{ring:>10,}{ring * tokens / GIB:>9.3f}")
     total = layers.num_bytes
     label = "on device" if layers.offload_layers else "total"

@@ -101,8 +101,8 @@ class HostOffload:
         for below in reversed(self.layers):
             if below > layer or below in self._loaded or below in self._freed:
                 continue
-            free = [i for i, held in enumerate(self._slot_layer)
-                    if held is None or held not in self._loaded]
+            # free: empty, or holding forward rows already on their way out
+            free = [i for i, held in enumerate(self._slot_layer) if held not in self._loaded]
             if not free:
                 break
             self._load(below, free[0], num_rows)
