@@ -42,6 +42,11 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=["down_proj", "all"])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--num-sequences", type=int, default=2)
+    parser.add_argument("--lora-dropouts", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--lora-backward", nargs="+", choices=["kernels", "torch"], default=["kernels"],
+                        help="torch: the adapters' backward and the dropout masks as torch ops (no "
+                             "fused LoRA kernels; the masks' int64 reference hash), the path before "
+                             "the kernels; several values run each case once per value")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--remat-threshold", type=float, default=None,
@@ -80,6 +85,16 @@ def main() -> None:
     from flexserve.finetune.hyperparameters import Hyperparameters
     from flexserve.worker.backward_ops import window_attention_mode
 
+    from flexserve.worker import activation_store, layer_backward
+
+    lora_kernel_dtypes, mask_dispatch = layer_backward.LORA_KERNEL_DTYPES, activation_store.use_triton
+
+    def use_lora_backward(backend: str) -> None:
+        torch_path = backend == "torch"
+        layer_backward.LORA_KERNEL_DTYPES = () if torch_path else lora_kernel_dtypes
+        # only the dropout masks ask activation_store's dispatch
+        activation_store.use_triton = (lambda device: False) if torch_path else mask_dispatch
+
     max_len = max(args.seq_lens)
     llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
               max_model_len=max_len + 16, enable_lora=True, max_lora_rank=args.rank,
@@ -92,8 +107,10 @@ def main() -> None:
     engine = llm.engine
     vocab = engine.info.vocab_size
     rows = []
-    cases = [(t, n) for t in args.targets for n in args.seq_lens]
-    for targets, seq_len in tqdm(cases, desc="fine-tuning cases"):
+    cases = [(t, n, p, b) for t in args.targets for n in args.seq_lens for p in args.lora_dropouts
+             for b in args.lora_backward]
+    for targets, seq_len, lora_dropout, lora_backward in tqdm(cases, desc="fine-tuning cases"):
+        use_lora_backward(lora_backward)
         g = torch.Generator().manual_seed(seq_len)
         examples = [TrainingExample(i + 1, torch.randint(100, vocab - 100, (seq_len,),
                                                          generator=g).tolist(),
@@ -104,7 +121,7 @@ def main() -> None:
         hp = Hyperparameters.from_dict({
             "batch_size": 1, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-4,
             "max_seq_len": seq_len,  # what the activation budget is sized for
-            "lora": {"r": args.rank, "alpha": 2 * args.rank,
+            "lora": {"r": args.rank, "alpha": 2 * args.rank, "dropout": lora_dropout,
                      "target_modules": ALL if targets == "all" else targets.split(",")}})
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -147,6 +164,8 @@ def main() -> None:
             if layers.lean_layers else None,
             "offload_layers": list(layers.offload_layers),
             "loss_chunk_rows": args.loss_chunk_rows,
+            "lora_dropout": lora_dropout,
+            "lora_backward": lora_backward,
             "window_attention": window_attention_mode(),
             "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),

@@ -1,7 +1,9 @@
 """Fused LoRA training forward (LoRAFusion, EuroSys'26, figure 10a) for one or many adapters.
 
 The graph is split at S = dropout(x) A^T, the [T, r] tensor that is cheap to store:
-  kernel 1 (`lora_train_shrink_fwd`): S, dropout fused into the shrink's loads, x read once;
+  kernel 1 (`lora_train_shrink_fwd`): S, dropout fused into the shrink's loads, x read once, in_size
+  split over programs (split-K) with each row tile's partials summed in a fixed order (no float
+  atomics: reproducible);
   kernel 2 (`lora_train_linear_fwd`): y = x W^T + scaling * S B^T in one pass over y: each y tile
   adds its [tile_m, r] x [r, tile_n] LoRA product to the base GEMM's accumulator before its one
   store (no separate expand reading and writing y again).
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexserve_kernels.lora_fused_train_ref import HASH_COLUMN, HASH_MIX1, HASH_MIX2, HASH_TOKEN
+from flexserve_kernels.lora_fused_train_ref import HASH_COLUMN, HASH_MIX1, HASH_MIX2, HASH_TOKEN, mix32_ref
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_shrink import check_launchable, target_programs
 
@@ -82,8 +84,9 @@ def dropout_keep(seed, rows, cols, threshold):
     """[rows, cols] keep mask of dropout with `keep_threshold(p)` (same bits as dropout_keep_ref:
     mixed keys per row and per column, then per element one xor, multiply and xor-shift).
     Callers scale what they accumulate by 1 / (1 - p) once, not every kept element."""
-    # seed is added last: Triton may pass a seed of 1 as a constant, which has no .to().
-    row_keys = mix32(rows.to(tl.uint32) * _HASH_TOKEN + seed)
+    # seed is added last: Triton may pass a seed of 1 as a constant, which has no .to(). A seed of
+    # 2**31 or more arrives as int64, so the sum is cast back to 32 bits (mod 2**32, as the reference).
+    row_keys = mix32((rows.to(tl.uint32) * _HASH_TOKEN + seed).to(tl.uint32))
     col_keys = mix32(cols.to(tl.uint32) * _HASH_COLUMN)
     h = (row_keys[:, None] ^ col_keys[None, :]) * _HASH_MIX1
     h = h ^ (h >> 16)
@@ -91,14 +94,38 @@ def dropout_keep(seed, rows, cols, threshold):
 
 
 @triton.jit
+def shrink_keep(row_keys, col_keys, threshold_hi):
+    """`dropout_keep` from the mixed keys of its rows and columns (the same bits), for the shrink,
+    which hoists the row keys out of its K loop: threshold_hi is keep_threshold(p) << 8, so an
+    element's (h >> 8) >= threshold is h >= threshold_hi, one op fewer per element. Exact: an fp32
+    p < 1 makes p * 2**24 an integer-valued fp32 <= 2**24 - 1, so the shifted threshold fits 32 bits."""
+    h = (row_keys[:, None] ^ col_keys[None, :]) * _HASH_MIX1
+    return (h ^ (h >> 16)) >= threshold_hi
+
+
+@triton.jit
+def _shrink_store(s_ptr, acc, first_row, p, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT: tl.constexpr):
+    if HAS_DROPOUT:
+        acc = acc * (1.0 / (1.0 - p))  # dropout's scale, once per S element
+    s_ptrs = s_ptr + first_row.to(tl.int64) * stride_sm + offs_m[:, None] * stride_sm + offs_r[None, :]
+    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _lora_train_shrink_fwd_kernel(
-    x_ptr, a_ptr, s_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
-    in_size, max_rank, seed, m_bucket,
-    stride_xm, stride_as, stride_ar, stride_sm,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, a_ptr, s_ptr, part_ptr, count_ptr, keys_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    dropout_ps_ptr, in_size, max_rank, seed, m_bucket, k_per_split, num_splits,
+    stride_xm, stride_as, stride_ar, stride_sm, stride_ps,
+    HAS_DROPOUT: tl.constexpr, SPLIT: tl.constexpr, KEY_TABLE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Grid: (segment, row tile of the segment); tiles past a segment's end exit. m_bucket (next
-    # power of two of the token count) is only the autotuner's key.
+    # Grid: (segment, row tile of the segment, split of in_size when SPLIT); tiles past a
+    # segment's end exit. m_bucket (next power of two of the token count) is only the autotuner's
+    # key. With SPLIT, each program writes its fp32 partial [BLOCK_M, r] of columns
+    # [split * k_per_split, +k_per_split) to part (rows indexed by token), then counts itself in
+    # on the tile's counter (count_ptr at the tile's first row); the last of the tile's num_splits
+    # programs sums the partials in split order (whatever order they finished in: reproducible),
+    # resets the counter to 0 for the next launch, and stores S.
     seg = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg_len = tl.load(seg_lens_ptr + seg)
@@ -106,29 +133,62 @@ def _lora_train_shrink_fwd_kernel(
         return
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     p = tl.load(dropout_ps_ptr + slot)
-    threshold = keep_threshold(p)
-    rows = tl.load(seg_starts_ptr + seg) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = tl.arange(0, BLOCK_M) < seg_len - pid_m * BLOCK_M
+    first_row = tl.load(seg_starts_ptr + seg) + pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < seg_len - pid_m * BLOCK_M
     r_mask = offs_r < max_rank
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    if SPLIT:
+        k_begin = tl.program_id(2) * k_per_split
+        k_stop = tl.minimum(in_size, k_begin + k_per_split)
+    else:
+        k_begin = 0
+        k_stop = in_size
+    # 64-bit scalar bases, 32-bit offsets within the tile (fewer registers than int64 offsets).
+    x_base = x_ptr + first_row.to(tl.int64) * stride_xm + k_begin
+    x_offs = offs_m[:, None] * stride_xm + offs_k[None, :]
     # lora_a[slot] is [max_rank, in]; read as its transpose [BLOCK_K, BLOCK_R] for the dot.
-    a_ptrs = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(0, in_size, BLOCK_K):
-        k_mask = offs_k < in_size - k
-        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if HAS_DROPOUT:
-            x_tile = tl.where(dropout_keep(seed, rows, k + offs_k, threshold), x_tile, 0.0)
-        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(x_tile, a_tile, acc, input_precision="ieee")
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+    a_base = a_ptr + slot * stride_as + k_begin
+    a_offs = offs_r[None, :] * stride_ar + offs_k[:, None]
     if HAS_DROPOUT:
-        acc = acc * (1.0 / (1.0 - p))  # dropout's scale, once per S element
-    s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :]
-    tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+        threshold_hi = keep_threshold(p) << 8
+        # As in `dropout_keep`: seed added last, the sum cast back to 32 bits (seeds >= 2**31).
+        row_keys = mix32(((first_row + offs_m).to(tl.uint32) * _HASH_TOKEN + seed).to(tl.uint32))
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_begin, k_stop, BLOCK_K):
+        k_mask = offs_k < k_stop - k
+        x_tile = tl.load(x_base + x_offs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_DROPOUT:
+            if KEY_TABLE:  # the column keys, mixed once per device (`column_keys`)
+                col_keys = tl.load(keys_ptr + k + offs_k, mask=k_mask, other=0).to(tl.uint32, bitcast=True)
+            else:
+                col_keys = mix32((k + offs_k).to(tl.uint32) * _HASH_COLUMN)
+            x_tile = tl.where(shrink_keep(row_keys, col_keys, threshold_hi), x_tile, 0.0)
+        a_tile = tl.load(a_base + a_offs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(x_tile, a_tile, acc, input_precision="ieee")
+        x_base += BLOCK_K
+        a_base += BLOCK_K
+    if SPLIT:
+        # part is [num_splits, T, max_rank] fp32, contiguous.
+        part_offs = first_row.to(tl.int64) * max_rank + offs_m[:, None] * max_rank + offs_r[None, :]
+        rm_mask = m_mask[:, None] & r_mask[None, :]
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * stride_ps + part_offs, acc, mask=rm_mask)
+        # Every thread's partial stores before the counter's release (one thread issues the
+        # scalar atomic), as CUTLASS's split-K semaphore does.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + first_row, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            # .cg: read the other programs' partials from L2, never a stale L1 line.
+            part_ptrs = part_ptr + part_offs
+            acc = tl.load(part_ptrs, mask=rm_mask, other=0.0, cache_modifier=".cg")
+            for _ in range(1, num_splits):
+                part_ptrs += stride_ps
+                acc += tl.load(part_ptrs, mask=rm_mask, other=0.0, cache_modifier=".cg")
+            tl.store(count_ptr + first_row, 0)  # ready for the next launch (cached counters)
+            _shrink_store(s_ptr, acc, first_row, p, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT)
+    else:
+        _shrink_store(s_ptr, acc, first_row, p, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT)
 
 
 @triton.jit
@@ -219,8 +279,9 @@ FWD_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 
                      (128, 128, 32, 4, 4), (64, 64, 64, 4, 4))
 
 
-# Autotune candidates (BLOCK_M, BLOCK_K, num_warps, num_stages) of kernel 1 up to rank 32: it
-# streams x, so what matters is enough programs and bytes in flight.
+# Autotune candidates (BLOCK_M, BLOCK_K, num_warps, num_stages) of kernel 1 unsplit (num_splits=1,
+# the form before split-K, kept for comparison) up to rank 32: it streams x, so what matters is
+# enough programs and bytes in flight.
 SHRINK_CONFIG_SHAPES = ((16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3),
                         (64, 256, 8, 3))
 _shrink_tuned = triton.autotune(
@@ -314,37 +375,147 @@ def rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
+# Kernel 1 on CUDA (`lora_train_shrink_fwd`'s defaults): row tiles of SHRINK_BLOCK_M tokens and
+# SHRINK_BLOCK_K columns per step, split over in_size until about SHRINK_PER_SM programs per SM
+# (SHRINK_PER_SM_DROPOUT when a slot has dropout), column keys loaded from `column_keys`. H200,
+# bf16, rank 16, one adapter, m in {2048, 4096, 8192} x in in {4096, 5120, 8192}
+# (tmp_dev/shrink_sweep.py: GPU time, x rotated out of L2; two runs agreed within 2%): 0.82x the
+# unsplit autotuned kernel's time on average at dropout 0.1 (16.4 against 19.4-21.4 us at 4096 x
+# 4096) and 0.87x at dropout 0 (11.7 against 13.1 us there; torch's x.sum() takes 14.3). 32-row
+# tiles at 4 warps (84 registers: ~6 programs resident per SM) beat 64 rows (1.08x the unsplit
+# kernel: half the resident warps for the dropout hash, which is instruction-bound) and 16 rows
+# (1.0x); 2 programs per SM, 4 stages, 64- or 256-column steps and 2 warps were slower or equal;
+# 6 programs per SM beat 4 by 2.5% with dropout and lost 3.5% without; without the key table,
+# dropout 0.1 took 5% longer. With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS
+# instructions per element (the hash, the compare, the select and the bf16 repacking for the dot).
+SHRINK_BLOCK_M = 32
+SHRINK_BLOCK_K = 128
+SHRINK_PER_SM = 4
+SHRINK_PER_SM_DROPOUT = 6
+SHRINK_NUM_STAGES = 3
+SHRINK_KEY_TABLE = True
+
+
+def shrink_warps(block_m: int, max_rank: int) -> int:
+    """Kernel 1's CUDA warps: 8 for accumulators over 4096 elements (64 rows at rank 64 up), else 4.
+    ptxas (sm_90, triton 3.9, bf16, dropout, 128-column steps): 32 rows at 4 warps take 84 registers
+    at rank 16 and 132 at 128, where 8 warps spill; 64 rows at rank 128 take 179 at 8 warps."""
+    return 8 if block_m * rank_block(max_rank) > 4096 else 4
+
+
+def shrink_split_plan(meta: LoRAKernelMeta, in_size: int, max_rank: int, block_m: int, block_k: int,
+                      device: torch.device, per_sm: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(k_per_split, num_splits) of kernel 1: in_size in num_splits chunks of k_per_split columns
+    (a multiple of block_k). Unless given, num_splits is what brings the row tiles to about
+    `target_programs(device, per_sm)` programs, capped so the fp32 partials (num_splits x T x r x 4
+    bytes, written then read once) stay within an eighth of x's 16-bit bytes."""
+    k_blocks = triton.cdiv(in_size, block_k)
+    if num_splits is None:
+        # Row tiles that run (the grid's others exit at once): each segment's, bounded by the tokens.
+        tiles = min(meta.num_segments * triton.cdiv(meta.max_seg_len, block_m),
+                    triton.cdiv(meta.num_tokens, block_m) + meta.num_segments - 1)
+        num_splits = min(target_programs(device, per_sm) // max(1, tiles), in_size // (16 * max_rank))
+    num_splits = max(1, min(num_splits, k_blocks))
+    k_per_split = triton.cdiv(k_blocks, num_splits) * block_k
+    return k_per_split, triton.cdiv(in_size, k_per_split)
+
+
+_SHRINK_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def shrink_counters(device: torch.device, num_tokens: int) -> torch.Tensor:
+    """Kernel 1's split counters: int32, one per token (a row tile counts at its first row), zero
+    between launches (the last program of a tile resets its counter), so they are zeroed once and
+    cached per device and stream (launches on one stream never overlap)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _SHRINK_COUNTERS.get(key)
+    if counters is None or counters.numel() < num_tokens:
+        counters = torch.zeros(max(1024, triton.next_power_of_2(num_tokens)), dtype=torch.int32, device=device)
+        _SHRINK_COUNTERS[key] = counters
+    return counters
+
+
+_COLUMN_KEYS: dict[torch.device, torch.Tensor] = {}
+
+
+def column_keys(device: torch.device, in_size: int) -> torch.Tensor:
+    """[>= in_size] int32: the dropout hash's mixed column keys (mix32(col * HASH_COLUMN), the bits
+    of `dropout_keep`'s col_keys; independent of the seed), computed once per device and grown to
+    the widest in_size seen, so the shrink loads them instead of mixing them per tile."""
+    keys = _COLUMN_KEYS.get(device)
+    if keys is None or keys.numel() < in_size:
+        cols = torch.arange(max(4096, triton.next_power_of_2(in_size)), dtype=torch.int64, device=device)
+        mixed = mix32_ref((cols * HASH_COLUMN) & 0xFFFFFFFF)
+        keys = torch.where(mixed >= 2**31, mixed - 2**32, mixed).to(torch.int32)  # the same 32 bits
+        _COLUMN_KEYS[device] = keys
+    return keys
+
+
 def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
-                          seed: int, *, block_m: int | None = None, block_k: int | None = None) -> torch.Tensor:
+                          seed: int, *, block_m: int | None = None, block_k: int | None = None,
+                          num_splits: int | None = None, per_sm: int | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None, key_table: bool | None = None) -> torch.Tensor:
     """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype, zero rows for tokens without an adapter.
 
-    Autotuned (SHRINK_CONFIG_SHAPES) on CUDA up to rank 32 unless block_m or block_k is given."""
+    On CUDA, in_size is split (`shrink_split_plan`) until about SHRINK_PER_SM programs per SM
+    (SHRINK_PER_SM_DROPOUT with dropout; `per_sm`), or into `num_splits` chunks; partials are
+    summed in a fixed order by each row tile's last program (bitwise reproducible). On CPU (the
+    interpreter) the default is one split. num_splits=1 without block_m/block_k on CUDA is the
+    unsplit kernel as before: autotuned (SHRINK_CONFIG_SHAPES) up to rank 32. The keyword
+    arguments override tiles, splits, programs per SM, warps, stages and `key_table` (load the
+    dropout hash's column keys from `column_keys` rather than mixing them per tile; tuning)."""
     check_launchable(x, _lora_train_shrink_fwd_kernel)
     num_tokens, in_size = x.shape
     max_rank = lora_a.shape[1]
-    s = torch.zeros(num_tokens, max_rank, dtype=x.dtype, device=x.device)
+    # One segment of every token (one adapter, the usual fine-tuning batch) writes all of S:
+    # no zero fill (a launch) first.
+    covered = meta.num_segments == 1 and meta.max_seg_len == num_tokens
+    s = (torch.empty if covered else torch.zeros)(num_tokens, max_rank, dtype=x.dtype, device=x.device)
     if not meta.has_lora:
         return s
-    args = (x, lora_a, s, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-            in_size, max_rank, seed, triton.next_power_of_2(num_tokens),
-            x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0))
-    if block_m is None and block_k is None and x.device.type == "cuda" and max_rank <= 32:
+    cuda = x.device.type == "cuda"
+    common = (meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, in_size, max_rank, seed,
+              triton.next_power_of_2(num_tokens))
+    if key_table is None:
+        key_table = SHRINK_KEY_TABLE
+    key_table = key_table and slots.has_dropout
+    keys = column_keys(x.device, in_size) if key_table else s  # not read without
+    if num_splits == 1 and block_m is None and block_k is None and cuda and max_rank <= 32:
+        # The unsplit kernel, autotuned (before split-K; kept for comparison).
         grid = lambda c: (meta.num_segments, triton.cdiv(meta.max_seg_len, c["BLOCK_M"]))  # noqa: E731
-        _shrink_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
+        _shrink_tuned[grid](x, lora_a, s, s, s, keys, *common, in_size, 1,
+                            x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), 0,
+                            HAS_DROPOUT=slots.has_dropout, SPLIT=False, KEY_TABLE=key_table,
+                            BLOCK_R=rank_block(max_rank))
         return s
-    if block_m is None:
-        # The largest row tile (64, 32 or 16) that still gives about two programs per SM: this
-        # kernel streams x, and too few programs leave most SMs' bandwidth idle.
-        block_m = min(64, max(16, triton.next_power_of_2(meta.max_seg_len)))
-        while block_m > 16 and meta.num_tokens // block_m < target_programs(x.device):
-            block_m //= 2
-    block_k = block_k or (32 if x.dtype == torch.float32 else 128)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m))
+    if cuda:
+        block_m = block_m or SHRINK_BLOCK_M
+        block_k = block_k or SHRINK_BLOCK_K
+    else:
+        if block_m is None:
+            # The interpreter: the largest row tile (64, 32 or 16) that still gives a few programs.
+            block_m = min(64, max(16, triton.next_power_of_2(meta.max_seg_len)))
+            while block_m > 16 and meta.num_tokens // block_m < target_programs(x.device):
+                block_m //= 2
+        block_k = block_k or (32 if x.dtype == torch.float32 else 128)
+        num_splits = num_splits or 1
+    per_sm = per_sm or (SHRINK_PER_SM_DROPOUT if slots.has_dropout else SHRINK_PER_SM)
+    k_per_split, num_splits = shrink_split_plan(meta, in_size, max_rank, block_m, block_k, x.device, per_sm,
+                                                num_splits)
+    split = num_splits > 1
+    if split:
+        part = torch.empty(num_splits, num_tokens, max_rank, dtype=torch.float32, device=x.device)
+        counters = shrink_counters(x.device, num_tokens)
+    else:
+        part = counters = s  # not read
+    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_splits)
     _lora_train_shrink_fwd_kernel[grid](
-        *args,
-        # ptxas (sm_90, triton 3.9, bf16, 64 x 128 tiles of x): 116 registers at rank 16, 247 at 128.
-        HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_R=rank_block(max_rank), BLOCK_K=block_k,
-        num_warps=4 if max_rank <= 32 else 8, num_stages=3,
+        x, lora_a, s, part, counters, keys, *common, k_per_split, num_splits,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), part.stride(0) if split else 0,
+        HAS_DROPOUT=slots.has_dropout, SPLIT=split, KEY_TABLE=key_table, BLOCK_M=block_m,
+        BLOCK_R=rank_block(max_rank), BLOCK_K=block_k,
+        num_warps=num_warps or shrink_warps(block_m, max_rank), num_stages=num_stages or SHRINK_NUM_STAGES,
     )
     return s
 

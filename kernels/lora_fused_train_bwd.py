@@ -30,6 +30,7 @@ from flexserve_kernels.lora_fused_train import (
     prune_by_rank,
     rank_block,
     tile_segments,
+    token_segments,
 )
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_shrink import check_launchable, target_programs
@@ -92,14 +93,21 @@ def _lora_train_ds_db_bwd_kernel(
         tl.store(db_ptrs, db_acc * scale, mask=n_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit
+# Arguments that change from call to call (dropout seeds, window lengths, chunk counts) are not
+# specialized in the kernels the fine-tuning engine calls (5, 4's term, the reduction): Triton
+# would compile a variant per value class (1, a multiple of 16, other), a stall of a second or more
+# in the middle of a window. Chunk and split sizes stay specialized: they are multiples of the
+# tiles (one class), and their divisibility is what lets the loads vectorize.
+@triton.jit(do_not_specialize=["seed", "num_chunks"])
 def _lora_train_da_bwd_kernel(
     x_ptr, ds_ptr, da_part_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
     K, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
     stride_xm, stride_dsm, stride_dai, stride_dar,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, SPLIT_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     # Grid: (segment, row chunk, column split) as in kernel 3; dropout(x) is rebuilt per tile.
+    # SPLIT_DS: dS (fp32) enters the MMA as two 16-bit halves (`split_ds`), not rounded to one.
     seg = tl.program_id(0)
     chunk = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,21 +137,27 @@ def _lora_train_da_bwd_kernel(
                 x_tile = tl.where(dropout_keep(seed, rows, cols, threshold), x_tile, 0.0)
             ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
                               mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-            da_acc = tl.dot(tl.trans(ds_tile.to(x_tile.dtype)), x_tile, da_acc, input_precision="ieee")
+            if SPLIT_DS:
+                ds_hi, ds_lo = split_ds(ds_tile, x_tile.dtype)
+                da_acc = tl.dot(tl.trans(ds_hi), x_tile, da_acc, input_precision="ieee")
+                da_acc = tl.dot(tl.trans(ds_lo), x_tile, da_acc, input_precision="ieee")
+            else:
+                da_acc = tl.dot(tl.trans(ds_tile.to(x_tile.dtype)), x_tile, da_acc, input_precision="ieee")
         if HAS_DROPOUT:
             da_acc = da_acc * (1.0 / (1.0 - p))  # dropout's scale, once per dA element
         da_ptrs = da_part_ptr + item * stride_dai + offs_r[:, None] * stride_dar + cols[None, :]
         tl.store(da_ptrs, da_acc, mask=r_mask[:, None] & k_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "num_chunks"])
 def _lora_train_slot_reduce_kernel(
     part_ptr, out_ptr, seg_lens_ptr, seg_slots_ptr,
     num_segments, num_chunks, rows_per_chunk, numel, stride_item, stride_slot,
-    BLOCK: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Grid: (slot, block of the flattened gradient). Sums the slot's chunk partials in segment
-    # order (fixed: reproducible); slots without tokens get zeros.
+    # order (fixed: reproducible); slots without tokens get zeros. ACCUMULATE: the sum is added
+    # to what out holds (after it, in the same order every time).
     slot = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -154,15 +168,26 @@ def _lora_train_slot_reduce_kernel(
             for chunk in range(0, num_valid):
                 item = (seg * num_chunks + chunk).to(tl.int64)
                 acc += tl.load(part_ptr + item * stride_item + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + slot.to(tl.int64) * stride_slot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + slot.to(tl.int64) * stride_slot + offs
+    if ACCUMULATE:
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def split_ds(ds, dtype: tl.constexpr):
+    """fp32 ds as (hi, lo) in a 16-bit `dtype` with hi + lo within 2^-17 |ds| of ds: products
+    with a 16-bit operand keep about 16 significant bits of ds (the engine's `split_bf16`)."""
+    hi = ds.to(dtype)
+    return hi, (ds - hi.to(tl.float32)).to(dtype)
 
 
 @triton.jit
 def add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
                      dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
+                     SPLIT_DS: tl.constexpr, BLOCK_R: tl.constexpr):
     """acc [rows, cols of in] + dropout'(dS A[slot]) for each adapter segment the row tile overlaps
-    (kernel 4's epilogue, the same in every form of it)."""
+    (kernel 4's epilogue, the same in every form of it); SPLIT_DS as in kernel 5."""
     seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < max_rank
@@ -180,19 +205,25 @@ def add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_s
                 p = tl.load(dropout_ps_ptr + slot)
                 # dropout's scale on dS ([BLOCK_M, r]) rather than on every element of the tile
                 ds_seg = ds_seg * (1.0 / (1.0 - p))
-            lora = tl.dot(ds_seg.to(a_tile.dtype), a_tile, input_precision="ieee")
+            if SPLIT_DS:
+                ds_hi, ds_lo = split_ds(ds_seg, a_tile.dtype)
+                lora = tl.dot(ds_hi, a_tile, input_precision="ieee")
+                lora = tl.dot(ds_lo, a_tile, lora, input_precision="ieee")
+            else:
+                lora = tl.dot(ds_seg.to(a_tile.dtype), a_tile, input_precision="ieee")
             if HAS_DROPOUT:
                 lora = tl.where(dropout_keep(seed, rows, cols, keep_threshold(p)), lora, 0.0)
             acc += lora
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "seed", "m_bucket"])
 def _lora_train_dx_bwd_kernel(
     dy_ptr, w_ptr, ds_ptr, a_ptr, dx_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket,
     stride_dym, stride_wk, stride_dsm, stride_as, stride_ar, stride_dxm,
-    HAS_BASE: tl.constexpr, HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BASE: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_DS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # dX [M, N=in] = dY [M, K=out] W [K, N]; m_bucket is only the autotuner's key. Without
@@ -218,7 +249,7 @@ def _lora_train_dx_bwd_kernel(
 
     acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
                            seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-                           HAS_DROPOUT, BLOCK_R)
+                           HAS_DROPOUT, SPLIT_DS, BLOCK_R)
     tl.store(dx_ptr + rows.to(tl.int64)[:, None] * stride_dxm + cols[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -254,12 +285,12 @@ def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: in
 
 
 def _reduce_by_slot(part: torch.Tensor, out: torch.Tensor, meta: LoRAKernelMeta, rows_per_chunk: int,
-                    num_chunks: int) -> None:
+                    num_chunks: int, accumulate: bool = False) -> None:
     numel = part[0].numel()
     block = 1024
     _lora_train_slot_reduce_kernel[(out.shape[0], triton.cdiv(numel, block))](
         part, out, meta.seg_lens, meta.seg_slots, meta.num_segments, num_chunks, rows_per_chunk, numel,
-        part.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        part.stride(0), out.stride(0), ACCUMULATE=accumulate, BLOCK=block, num_warps=4,
     )
 
 
@@ -276,7 +307,9 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     # H200, bf16, rank 16 (session 11's sweep of tiles, warps and programs per SM; GPU time of the
     # kernel and its reductions): 128 x 256 at 8 warps took 19.1 us at 4096 x 4096 and 54.3 at
     # 8192 x 5120, against 24.1 and 59.6 for 64 x 128 at 4 warps, kept above rank 16.
-    wide = dy.device.type == "cuda" and max_rank <= 16 and block_m is None and block_n is None
+    # (16-bit only: fp32 tiles of that size need 303 KB of shared memory, over the H200's 227 KB.)
+    wide = (dy.device.type == "cuda" and dy.dtype != torch.float32 and max_rank <= 16 and block_m is None
+            and block_n is None)
     block_m = block_m or (16 if dy.device.type != "cuda" else (128 if wide else 64))
     block_n = block_n or (32 if dy.device.type != "cuda" else (256 if wide else 128 if max_rank <= 32 else 64))
     num_warps = num_warps or (8 if wide or max_rank > 32 else 4)
@@ -303,9 +336,12 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
 def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
                       slots: LoRATrainSlots, seed: int, *, block_m: int | None = None,
                       block_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
-                      per_sm: int | None = None) -> torch.Tensor:
+                      per_sm: int | None = None, split_ds: bool = False,
+                      da_out: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel 5: dA [slots, r_max, in] (lora_a's dtype) = dS^T dropout(x) per slot, zero for unused
-    slots. The keyword arguments override the tiles, warps, stages and programs per SM (tuning)."""
+    slots. The keyword arguments override the tiles, warps, stages and programs per SM (tuning).
+    `split_ds`: dS enters the products as two 16-bit halves (about 16 significant bits, not 8).
+    `da_out`: an fp32 [slots, r_max, in] buffer that dA is added to (and returned)."""
     check_launchable(x, _lora_train_da_bwd_kernel)
     in_size = x.shape[1]
     max_rank = lora_a.shape[1]
@@ -327,11 +363,11 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
         x.stride(0), ds.stride(0), da_part.stride(0), da_part.stride(1),
         # ptxas (sm_90, triton 3.9, bf16, dropout on): 64 x 128 x tiles spill at 4 warps (rank 16);
         # at rank 128, 64 x 64 spills at 8 warps, 32 x 64 takes 215 registers.
-        HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank),
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and x.dtype != torch.float32, BLOCK_M=block_m,
+        BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), num_warps=num_warps, num_stages=num_stages,
     )
-    da = torch.empty_like(lora_a)
-    _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks)
+    da = torch.empty_like(lora_a) if da_out is None else da_out
+    _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks, accumulate=da_out is not None)
     return da
 
 
@@ -363,11 +399,44 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
     if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"]),)  # noqa: E731
         tuned = _dx_bwd_tuned if has_base else _dx_term_tuned
-        tuned[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, BLOCK_R=rank_block(max_rank))
+        tuned[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
+                    BLOCK_R=rank_block(max_rank))
     else:
         block_m, block_n, block_k = blocks or (16, 32, 32)
         grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
-        _lora_train_dx_bwd_kernel[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, BLOCK_M=block_m,
+        _lora_train_dx_bwd_kernel[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
+                                        BLOCK_M=block_m,
                                         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
                                         num_warps=4, num_stages=3)
     return dx if has_base else dx.addmm_(dy, weight)
+
+
+def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
+                       seed: int, *, out_dtype: torch.dtype = torch.float32, split_ds: bool = False,
+                       blocks: tuple[int, int] = (64, 128), num_warps: int = 8) -> torch.Tensor:
+    """Kernel 4's LoRA term alone: [T, in] = dropout'(dS A[slot]) per token (zero rows without an
+    adapter), in `out_dtype`, for a caller that adds dY W itself (the fine-tuning engine adds it in
+    its dX GEMM's epilogue). `split_ds` as in `lora_train_da_bwd`. Fixed blocks, no autotuning:
+    the engine calls this with every window length and must not stop to tune."""
+    check_launchable(ds, _lora_train_dx_bwd_kernel)
+    num_tokens, in_size, max_rank = ds.shape[0], lora_a.shape[2], lora_a.shape[1]
+    if ds.shape[1] != max_rank or ds.stride(1) != 1 or lora_a.stride(2) != 1:
+        raise ValueError(f"dS must be [T, {max_rank}] with unit column stride and lora_a's rows contiguous")
+    term = torch.empty(num_tokens, in_size, dtype=out_dtype, device=ds.device)
+    if num_tokens == 0:
+        return term
+    if not meta.has_lora:
+        return term.zero_()
+    block_m, block_n = blocks if ds.device.type == "cuda" else (16, 32)
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
+    # dY and W are not read without HAS_BASE: dS stands in for their pointers, K = 0.
+    _lora_train_dx_bwd_kernel[grid](
+        ds, ds, ds, lora_a, term, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        slots.dropout_ps, num_tokens, in_size, 0, max_rank, seed, triton.next_power_of_2(num_tokens),
+        0, 0, ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0),
+        # ptxas (sm_90, triton 3.9, bf16): the 64 x 128 term tile at 8 warps is DX_TERM_CONFIG_SHAPES' first.
+        HAS_BASE=False, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and lora_a.dtype != torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, BLOCK_R=rank_block(max_rank), GROUP_M=4,
+        num_warps=num_warps if ds.device.type == "cuda" else 4, num_stages=1,
+    )
+    return term

@@ -27,10 +27,17 @@ def mix32_ref(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def row_seed(seed: int, first_row: int) -> int:
+    """The seed under which rows 0, 1, ... hash as rows first_row, first_row + 1, ... hash under
+    `seed` (a token's key mixes seed + row * HASH_TOKEN mod 2**32): how a kernel given one window
+    of a sequence regenerates the sequence's mask at the window's positions."""
+    return (seed + first_row * HASH_TOKEN) & _MASK32
+
+
 def dropout_keep_ref(seed: int, num_tokens: int, num_cols: int, p: float,
                      device: torch.device | str = "cpu") -> torch.Tensor:
     """[num_tokens, num_cols] bool: the elements dropout with probability p keeps, as the kernels
-    regenerate them. Each token and each column gets a fully mixed 32-bit key (of the seed and the
+    regenerate them (seed in [0, 2**32)); `row_seed` shifts the rows. Each token and each column gets a fully mixed 32-bit key (of the seed and the
     token; of the column); an element's hash is one multiply and xor-shift of their xor, and its
     top 24 bits are the uniform. The per-element work (6 integer ops) is what the kernels pay for
     every element they drop out, three times a training step; the keys cost one vector each."""

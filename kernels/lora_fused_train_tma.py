@@ -75,7 +75,7 @@ def _lora_train_dx_bwd_tma_kernel(
         cols = off_n + tl.arange(0, BLOCK_N)
         acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
                                seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-                               HAS_DROPOUT, BLOCK_R)
+                               HAS_DROPOUT, False, BLOCK_R)
         dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
 
 

@@ -277,6 +277,7 @@ BACKWARD_CASES = {
     "fp32-down-minimal": (torch.float32, ["down_proj"], 0.0, "minimal"),
     "fp32-all-dropout-pruned": (torch.float32, list(layer_backward.TARGET_MODULES), 0.3, "pruned"),
     "fp32-qv-everything": (torch.float32, ["q_proj", "v_proj"], 0.0, "everything"),
+    "fp32-all-dropout-everything": (torch.float32, list(layer_backward.TARGET_MODULES), 0.3, "everything"),
     "bf16-all-minimal": (torch.bfloat16, list(layer_backward.TARGET_MODULES), 0.0, "minimal"),
     "bf16-down-pruned": (torch.bfloat16, ["down_proj"], 0.0, "pruned"),
 }
@@ -291,6 +292,11 @@ def test_sequence_backward_fused_equals_torch_path(case, wide, tiny_config, tiny
     # epilogue), which the 19-token sequence's windows are otherwise too narrow for.
     monkeypatch.setattr(layer_backward, "WIDE_LORA_GEMM_ROWS", 1 if wide else 10**9)
     dtype, targets, dropout, plan_kind = BACKWARD_CASES[case]
+    if dtype == torch.bfloat16:
+        # Triton 3.9's interpreter multiplies bf16 tiles wrongly (tl.dot of two 16 x 16 bf16
+        # tiles: off by 2.7e10 on this box), so bf16 models keep the torch LoRA backward here;
+        # the fused LoRA kernels run in the fp32 cases, and in bf16 on the GPU (test_layer_backward).
+        monkeypatch.setattr(layer_backward, "LORA_KERNEL_DTYPES", (torch.float32,))
     path = tiny_checkpoint(tiny_config("llama", num_hidden_layers=LAYERS), seed=4)
     args = (path, dtype, targets, dropout, plan_kind)
     expected = sequence_gradients(*args, False, monkeypatch)

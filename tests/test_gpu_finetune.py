@@ -131,3 +131,23 @@ def test_gpu_bf16_finetuning_fused_path_is_as_accurate_as_torch_path(
     print(f"bf16 relative error of the weight change vs fp64: fused {fused_error:.2e}, "
           f"torch path {plain_error:.2e}")
     assert fused_error <= 1.25 * plain_error and fused_error <= 0.2
+
+
+def test_gpu_dropout_fused_lora_kernels_equal_torch_path(tiny_config, tiny_checkpoint, tmp_path,
+                                                         monkeypatch):
+    """LoRA dropout 0.3 in fp32 on CUDA: the fused path (masks from the Triton mask kernel, LoRA
+    A's backward as fused LoRA kernels 5 and 4's term regenerating them in registers) trains the
+    same adapter as the torch path (FLEXSERVE_KERNELS=torch: the masks' torch reference and torch
+    ops), which the CPU tests check against HF + PEFT. Only summation orders differ: relative
+    difference of the weight change <= 1e-5."""
+    from safetensors.torch import load_file
+
+    model_dir, adapter_dir, _, data, hp, _, _ = _job_setup(tiny_config, tiny_checkpoint, tmp_path)
+    hp = Hyperparameters.from_dict({**hp.to_dict(), "lora": {**hp.to_dict()["lora"], "dropout": 0.3}})
+    initial = {k: v.double() for k, v in load_file(f"{adapter_dir}/adapter_model.safetensors").items()}
+    fused, _ = _train(model_dir, adapter_dir, data, hp, "float32", str(tmp_path / "fused"))
+    monkeypatch.setenv("FLEXSERVE_KERNELS", "torch")
+    plain, _ = _train(model_dir, adapter_dir, data, hp, "float32", str(tmp_path / "torch"))
+    difference = _relative_change_error(fused, plain, initial)
+    print(f"dropout 0.3, fp32: fused LoRA kernels vs torch path, weight change differs by {difference:.2e}")
+    assert difference <= 1e-5

@@ -144,21 +144,92 @@ def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
         fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
 
 
-def test_shrink_applies_the_reference_dropout_mask():
-    # A = identity makes S = dropout(x) itself: the kernel's mask is the reference hash, per slot p.
-    num_tokens, in_size = 23, 16
+@pytest.mark.parametrize("num_splits, key_table, seed", [(1, True, 1234), (3, True, 2**32 - 5), (2, False, 1234)])
+def test_shrink_applies_the_reference_dropout_mask(num_splits, key_table, seed):
+    # A = identity makes S = dropout(x) itself: the kernel's mask is the reference hash, per slot p
+    # (p = 0 next to slots with dropout, and the largest fp32 p below 1, where the shifted keep
+    # threshold is at its widest), split over in_size or not, column keys mixed or loaded, and a
+    # seed of 2**31 or more.
+    num_tokens, in_size = 34, 48
     g = torch.Generator().manual_seed(3)
     x = torch.randn(num_tokens, in_size, generator=g).to(DEVICE)
-    lora_a = torch.eye(in_size).repeat(2, 1, 1).to(DEVICE)
-    meta = LoRAKernelMeta.build([10, 3, 10], [0, -1, 1], DEVICE)
-    slots = fused.LoRATrainSlots.build([1.0, 1.0], [0.1, 0.5], DEVICE)
-    s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, seed=1234, block_m=16, block_k=16)
-    for rows, p in ((slice(0, 10), 0.1), (slice(13, 23), 0.5)):
-        keep = ref.dropout_keep_ref(1234, num_tokens, in_size, p, DEVICE)[rows]
+    ps = [0.1, 0.5, 0.0, 1 - 2**-24]
+    lora_a = torch.eye(in_size).repeat(len(ps), 1, 1).to(DEVICE)
+    meta = LoRAKernelMeta.build([10, 3, 10, 6, 5], [0, -1, 1, 2, 3], DEVICE)
+    slots = fused.LoRATrainSlots.build([1.0] * len(ps), ps, DEVICE)
+    s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, seed=seed, block_m=16, block_k=16, num_splits=num_splits,
+                                    key_table=key_table)
+    for rows, p in ((slice(0, 10), 0.1), (slice(13, 23), 0.5), (slice(23, 29), 0.0), (slice(29, 34), ps[3])):
+        keep = ref.dropout_keep_ref(seed, num_tokens, in_size, p, DEVICE)[rows]
         torch.testing.assert_close(s[rows], x[rows] * keep / (1 - p), rtol=1e-6, atol=1e-6)
-        assert 0 < int((~keep).sum()) < keep.numel()
+        if 0 < p < 0.9:
+            assert 0 < int((~keep).sum()) < keep.numel()
     assert bool((s[10:13] == 0).all())  # base rows
-    torch.testing.assert_close(s, ref.lora_train_shrink_ref(x, lora_a, meta.token_slots, [0.1, 0.5], 1234))
+    torch.testing.assert_close(s, ref.lora_train_shrink_ref(x, lora_a, meta.token_slots, ps, seed))
+
+
+# Kernel 1 split over in_size: three adapters of ranks 16, 5, 9 (dropout 0.1, 0, 0.5) with base
+# rows between them; in = 77 is 5 blocks of 16 columns, the last partial; segments of 20 and 18
+# tokens take two 16-row tiles each.
+SPLIT_CASE = Case(77, 1, 16, (16, 5, 9), (0.1, 0.0, 0.5), (20, 3, 9, 18, 4), (0, -1, 1, 2, -1))
+
+
+def shrink_split_check(case: Case, num_splits: int, want_splits: int, seed: int = 21, **kwargs) -> torch.Tensor:
+    """S of `case` with num_splits requested: the plan's split count, the reference within fp32
+    tolerance, base rows and padded rank columns exactly zero, the same bits on a second call (the
+    tile counters are back to zero) and with the column keys mixed in the kernel instead of loaded."""
+    x, _, lora_a, _, meta, scalings = make_inputs(case)
+    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
+    k_per_split, splits = fused.shrink_split_plan(meta, case.in_size, case.max_rank, 16, 16, x.device, 4, num_splits)
+    assert splits == want_splits and k_per_split % 16 == 0
+    assert (splits - 1) * k_per_split < case.in_size <= splits * k_per_split
+    run = lambda **more: fused.lora_train_shrink_fwd(x, lora_a, meta, slots, seed, block_m=16, block_k=16,  # noqa: E731
+                                                     num_splits=num_splits, **kwargs, **more)
+    s = run()
+    assert s.shape == (x.shape[0], case.max_rank) and s.dtype == x.dtype
+    assert_close("S", s, ref.lora_train_shrink_ref(x, lora_a, meta.token_slots, list(case.dropout_ps), seed), 1e-4)
+    assert bool((s[meta.token_slots < 0] == 0).all())
+    for slot, rank in enumerate(case.slot_ranks):
+        assert bool((s[meta.token_slots == slot, rank:] == 0).all())
+    assert torch.equal(run(), s)
+    assert torch.equal(run(key_table=False), s)
+    assert not bool(fused.shrink_counters(x.device, x.shape[0]).any())
+    return s
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_split_shrink_matches_reference(num_splits):
+    shrink_split_check(SPLIT_CASE, num_splits, num_splits)
+
+
+def test_split_shrink_splits_no_finer_than_block_k():
+    # More splits asked than in_size has column blocks: one block per split (in = 20: two), or
+    # the unsplit kernel (in = 12, less than one block).
+    shrink_split_check(Case(20, 1, 16, (16, 7), (0.1, 0.5), (17, 2, 5), (0, -1, 1)), 4, 2)
+    shrink_split_check(Case(12, 1, 8, (8,), (0.1,), (9,), (0,)), 3, 1)
+
+
+@pytest.mark.parametrize("name", ["single-r1-p0", "two-r64.5-p0.1", "single-r128-p0.1"])
+def test_split_shrink_ranks_1_to_128(name):
+    shrink_split_check(CASES[name], 2, 2)  # in = 33, 40, 20: two or three column blocks
+
+
+def test_split_plan_rule():
+    # The default split count: row tiles x splits near target_programs(device, per_sm) (8 per_sm
+    # under the interpreter), at most one block_k per split, and partials within in / (16 r) splits.
+    cpu = torch.device("cpu")
+    one = LoRAKernelMeta.build([64], [0], "cpu")  # 4 tiles of 16 rows
+    assert fused.shrink_split_plan(one, 4096, 16, 16, 128, cpu, 4) == (512, 8)  # 32 programs / 4 tiles
+    assert fused.shrink_split_plan(one, 4096, 16, 16, 128, cpu, 2) == (1024, 4)
+    assert fused.shrink_split_plan(one, 4096, 128, 16, 128, cpu, 4) == (2048, 2)  # 4096 / (16 x 128)
+    assert fused.shrink_split_plan(one, 200, 1, 16, 128, cpu, 4) == (128, 2)  # two column blocks
+    assert fused.shrink_split_plan(one, 200, 16, 16, 128, cpu, 4) == (256, 1)  # 200 / (16 x 16) < 1
+    many = LoRAKernelMeta.build([300, 4, 300], [0, -1, 1], "cpu")  # 2 x 19 tiles: enough already
+    assert fused.shrink_split_plan(many, 4096, 16, 16, 128, cpu, 4) == (4096, 1)
+    # Many short segments: tiles bounded by the tokens, not segments x the longest segment's tiles.
+    rows = LoRAKernelMeta.build([40] + [1] * 20, [0] + [1, 2] * 10, "cpu")  # 23 tiles (24 counted)
+    assert fused.shrink_split_plan(rows, 4096, 16, 16, 128, cpu, 4) == (4096, 1)
+    assert fused.shrink_split_plan(rows, 4096, 16, 16, 128, cpu, 8) == (2048, 2)
 
 
 def test_reference_mask_keeps_one_minus_p_and_depends_on_seed():
@@ -264,6 +335,27 @@ def test_bf16_gpu_autotuned_tiles_four_adapters(base_gemm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_rank", [16, 128])
+def test_gpu_split_shrink_bf16_is_reproducible(max_rank):
+    # The CUDA default (split-K, row tiles' last programs summing partials in split order) at bf16
+    # against the fp32 reference, over many repeated launches whose programs finish in any
+    # order: the same bits every time, and the same as other split counts within bf16 rounding.
+    case = Case(4096, 1, max_rank, (max_rank, 8, 3), (0.1, 0.0, 0.5), (700, 30, 500, 300, 9),
+                (0, -1, 1, 2, -1))
+    x, _, lora_a, _, meta, scalings = make_inputs(case, torch.bfloat16)
+    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
+    want = ref.lora_train_shrink_ref(x, lora_a, meta.token_slots, list(case.dropout_ps), 5)
+    first = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 5)
+    assert_close("S", first, want, 3e-2)
+    assert bool((first[meta.token_slots < 0] == 0).all())
+    assert all(torch.equal(fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 5), first) for _ in range(20))
+    assert not bool(fused.shrink_counters(x.device, x.shape[0]).any())
+    for kwargs in (dict(num_splits=1), dict(num_splits=3, block_m=32), dict(per_sm=8, key_table=False)):
+        assert_close(f"S {kwargs}", fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 5, **kwargs), want, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_gradients_are_bitwise_reproducible():
     runs = [run_both(CASES["multi-r16.3.7-p0.1"], torch.bfloat16, scale=16)[0] for _ in range(2)]
     for a, b in zip(*runs):
@@ -277,8 +369,9 @@ from flexserve_kernels import lora_fused_train as kf
 from flexserve_kernels import lora_fused_train_bwd as kb
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
+I32 = {"count_ptr", "keys_ptr"}  # kernel 1's split counters and column keys
 
-def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None):
+def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -289,10 +382,11 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None):
             sig[name] = f"tensordesc<bf16[{consts[rows]}, {consts[cols]}]>"
             continue
         if name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in FP32 else "*i32" if "seg" in name else "*bf16"
+            sig[name] = "*fp32" if name in FP32 else "*i32" if "seg" in name or name in I32 else "*bf16"
         else:
             sig[name] = "i32"
-        if name not in ("seed", "max_rank", "num_programs"):  # 16-aligned pointers, sizes and strides (Llama's)
+        # 16-aligned pointers, sizes and strides (Llama's)
+        if name not in ("seed", "max_rank", "num_programs", "num_splits"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
                             options={"num_warps": num_warps, "num_stages": num_stages})
@@ -300,36 +394,52 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None):
     copy = "async_tma_copy_global_to_local" if descs else "async_copy_global_to_local"
     if gemm and (copy not in ttgir or "warp_group_dot" not in ttgir):
         sys.exit(f"{fn.__name__} {consts}: the main loop is not pipelined onto wgmma")
+    if stream and "async_copy_global_to_local" not in ttgir:
+        sys.exit(f"{fn.__name__} {consts}: the main loop's loads are not pipelined")
     check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
 for shapes, fn, extra in ((kf.FWD_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
-                          (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True})):
+                          (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True, "SPLIT_DS": False})):
     for c in kf.gemm_configs(shapes):
         compile_one(fn, dict(c.kwargs, BLOCK_R=16, HAS_BASE=True, **extra), c.num_warps, c.num_stages, gemm=True)
 # The LoRA terms alone (base_gemm="blas"), at ranks 16 and 128.
 for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
-                          (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True})):
+                          (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True, "SPLIT_DS": False})):
     for i, c in enumerate(kf.gemm_configs(shapes)):
         # the candidates kept above rank 32
         for rank in (16, 32) + ((64, 128) if i < kf.WIDE_RANK_TERM_CONFIGS else ()):
             compile_one(fn, dict(c.kwargs, BLOCK_R=rank, HAS_BASE=False, **extra), c.num_warps, c.num_stages)
-# The small kernels with the launchers' CUDA blocks, at ranks 16 and 128.
-for rank in (16, 128):
-    wide = rank <= 32
-    for block_m in (16, 32, 64):
-        compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=block_m, BLOCK_R=rank,
-                                                           BLOCK_K=128), 4 if wide else 8, 3)
-# Kernel 1's autotune candidates (used up to rank 32).
+# Kernel 1 as the launcher runs it on CUDA, by rank: split over in_size and not (the split
+# count is a runtime argument), column keys loaded or mixed in the kernel, and without dropout;
+# x streamed through cp.async.
+for rank in (16, 32, 128):
+    warps = kf.shrink_warps(kf.SHRINK_BLOCK_M, rank)
+    for split in (True, False):
+        for key_table in (True, False):
+            compile_one(kf._lora_train_shrink_fwd_kernel,
+                        dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=key_table, BLOCK_M=kf.SHRINK_BLOCK_M,
+                             BLOCK_R=rank, BLOCK_K=kf.SHRINK_BLOCK_K), warps, kf.SHRINK_NUM_STAGES, stream=True)
+    compile_one(kf._lora_train_shrink_fwd_kernel,
+                dict(HAS_DROPOUT=False, SPLIT=True, KEY_TABLE=False, BLOCK_M=kf.SHRINK_BLOCK_M, BLOCK_R=rank,
+                     BLOCK_K=kf.SHRINK_BLOCK_K), warps, kf.SHRINK_NUM_STAGES, stream=True)
+# Its unsplit autotune candidates (num_splits=1, up to rank 32).
 for m, k, w, s in kf.SHRINK_CONFIG_SHAPES:
-    compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
+    for key_table in (True, False):
+        compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, SPLIT=False, KEY_TABLE=key_table,
+                                                           BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
 # Kernels 3 and 5 with the launchers' CUDA blocks and warps, by rank.
 for rank in (16, 32, 128):
     bm, bn, w = (128, 256, 8) if rank <= 16 else (64, 128, 4) if rank <= 32 else (64, 64, 8)
     compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank), w, 3)
-    compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, BLOCK_M=32,
-                                                   BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank),
-                4 if rank <= 32 else 8, 3)
-compile_one(kb._lora_train_slot_reduce_kernel, dict(BLOCK=1024), 4, 1)
+    for split_ds in (False, True):  # True: the fine-tuning engine's dS in two bf16 halves
+        compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=split_ds, BLOCK_M=32,
+                                                       BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank),
+                    4 if rank <= 32 else 8, 3)
+    # The engine's dX term (`lora_train_dx_term`: 64 x 128 tiles, 8 warps, dS split in two).
+    compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_BASE=False, HAS_DROPOUT=True, SPLIT_DS=True, BLOCK_M=64,
+                                                   BLOCK_N=128, BLOCK_K=16, BLOCK_R=rank, GROUP_M=4), 8, 1)
+for accumulate in (False, True):
+    compile_one(kb._lora_train_slot_reduce_kernel, dict(ACCUMULATE=accumulate, BLOCK=1024), 4, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
 from flexserve_kernels import lora_fused_train_tma as kt
 for shapes, fn, operands, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel, kt._FWD_OPERANDS, {}),

@@ -10,7 +10,10 @@ in the paged KV cache; the backward rematerializes everything else from these.
 LoRA dropout masks are a counter-based hash of (seed, layer, target, position, column), not a
 random stream: the forward of one window split and the backward of any other split see the same
 mask, and a plan may keep the mask as a bitmask (1 bit per element, FlexLLM's compression) or
-not at all.
+not at all. The hash is the fused LoRA kernels' (`flexserve_kernels.lora_fused_train`) under a
+seed per (job seed, layer, target) (`dropout_salt`), rows being positions in the sequence: on
+CUDA a kernel writes the mask in one pass, and the fused LoRA backward regenerates it in
+registers from the window's seed (`dropout_window_seed`) without reading it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch.nn.functional as F
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.layer_graph import LayerGraph
 from flexserve.worker.activation_offload import HostOffload
+from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora_fused_train_ref import dropout_keep_ref, row_seed
 
 COMPRESSIONS = ("bitmask",)
 _TARGET_INDEX = {target: i for i, target in enumerate(TARGET_MODULES)}
@@ -31,18 +36,24 @@ _M32 = 0xFFFFFFFF
 
 
 # ------------------------------------------------------------------------------------- dropout
-def _mul32(x: Any, c: int) -> Any:
-    # (x * c) mod 2^32 for 0 <= x < 2^32, in 16-bit halves so int64 tensors never overflow.
-    return (((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c) & _M32
-
-
-def _hash32(x: Any) -> Any:
-    """A 32-bit integer mix (lowbias32) of Python ints or int64 tensors in [0, 2^32)."""
+def _hash32(x: int) -> int:
+    """A 32-bit integer mix (lowbias32) of an int in [0, 2^32)."""
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = (x * 0x846CA68B) & _M32
     return x ^ (x >> 16)
+
+
+def dropout_salt(seed: int, layer: int, target: str) -> int:
+    """The 32-bit hash seed of `target`'s dropout mask in `layer` for a sequence's seed."""
+    return _hash32((_hash32(seed & _M32) ^ (layer * len(TARGET_MODULES) + _TARGET_INDEX[target]))
+                   & _M32)
+
+
+def dropout_window_seed(seed: int, layer: int, target: str, start: int) -> int:
+    """The kernels' seed under which rows 0, 1, ... of a window hash as positions start, ..."""
+    return row_seed(dropout_salt(seed, layer, target), start)
 
 
 def dropout_keep_mask(
@@ -50,15 +61,14 @@ def dropout_keep_mask(
     device: torch.device | str,
 ) -> torch.Tensor:
     """bool [num_tokens, width]: which inputs LoRA dropout keeps at positions [start, start + n)
-    of `target` in `layer`; each is kept with probability 1 - p, the same for any window split."""
-    salt = _hash32((_hash32(seed & _M32) ^ (layer * len(TARGET_MODULES) + _TARGET_INDEX[target]))
-                   & _M32)
-    positions = torch.arange(start, start + num_tokens, device=device, dtype=torch.int64)
-    columns = torch.arange(width, device=device, dtype=torch.int64)
-    row_keys = _hash32((positions ^ salt) & _M32)
-    column_keys = _hash32((columns + 0x9E3779B9) & _M32)
-    bits = _hash32(row_keys[:, None] ^ column_keys[None, :])
-    return bits >= int(round(p * 2**32))
+    of `target` in `layer`; each is kept with probability 1 - p, the same for any window split
+    (the fused kernels' hash: a Triton kernel where `use_triton`, the torch reference elsewhere)."""
+    window_seed = dropout_window_seed(seed, layer, target, start)
+    if use_triton(device):
+        from flexserve_kernels.lora_dropout import dropout_keep_mask as keep_mask_kernel
+
+        return keep_mask_kernel(window_seed, num_tokens, width, p, device)
+    return dropout_keep_ref(window_seed, num_tokens, width, p, device)
 
 
 def apply_lora_dropout(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:

@@ -16,6 +16,12 @@ result on CUDA (the values of widening both first: a product of two 16-bit float
 fp32, the sums are fp32), without the widened copies; `split_bf16` writes an fp32 operand as two
 bf16 terms so that it can join such a GEMM (hi + lo is within 2^-17 of it).
 
+On the fused path (CUDA, a bf16 or fp32 model) the shrink's backward of an adapter with dropout
+runs as fused LoRA training kernels (flexserve_kernels.lora_fused_train_bwd) with the same
+precision: `fused_lora_a_backward` (dA, and dX's LoRA term with dropout' applied, dS split into
+two 16-bit halves as `split_bf16` does), the dropout mask regenerated in registers from the
+window's seed, never read or rebuilt as a tensor.
+
 `window_attention` is the SDPA call whose autograd gives the attention backward: queries of the
 window [end - n, end) over keys [0, end), with grouped K/V (GQA) passed as they are. A window
 that covers the whole prefix (n == end) can instead run on cuDNN padded to a bucket length
@@ -25,8 +31,10 @@ warm-up built that bucket's plans in the calling thread (`warm_prefix_attention`
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +73,50 @@ def split_bf16(x: torch.Tensor) -> torch.Tensor:
     significant bits), so x @ w ~= [hi | lo] @ [w; w] runs on 16-bit GEMMs."""
     hi = x.to(torch.bfloat16)
     return torch.cat([hi, (x - hi.float()).to(torch.bfloat16)], dim=1)
+
+
+# ------------------------------------------------------------------------ fused LoRA backward
+@functools.lru_cache(maxsize=64)
+def _window_meta(num_tokens: int, device: torch.device) -> Any:
+    from flexserve_kernels.lora_meta import LoRAKernelMeta
+
+    return LoRAKernelMeta.build([num_tokens], [0], device)  # one adapter, "slot" 0 of the views
+
+
+@functools.lru_cache(maxsize=16)
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float32).to(device)
+
+
+def _train_slots(scaling: torch.Tensor, p: float, device: torch.device) -> Any:
+    from flexserve_kernels.lora_fused_train import LoRATrainSlots
+
+    return LoRATrainSlots(scaling.float(), _scalar(p, device), p > 0)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, p: float,
+                          seed: int, grad_a: torch.Tensor, *, x_dropped: bool,
+                          want_dx: bool) -> torch.Tensor | None:
+    """The backward of an adapter's shrink (and its dropout) over a window, as kernels: adds
+    dS^T dropout(x) to grad_a [r, in] (fp32, in place; `lora_train_da_bwd`, fused LoRA kernel 5)
+    and returns dL/dx's LoRA term dropout'(dS A) [n, in] fp32 (kernel 4's term) when `want_dx`.
+    x [n, in] is the adapter's input before dropout, whose mask the kernels regenerate from `seed`
+    (`dropout_window_seed`), or after it when `x_dropped` (a stored dropout output). dS (fp32)
+    enters the 16-bit products as two 16-bit halves, as `split_bf16` does on the torch path."""
+    from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_dx_term
+
+    device, n = grad_s.device, grad_s.shape[0]
+    meta, grad_s = _window_meta(n, device), _rows(grad_s)
+    unit = _scalar(1.0, device)  # kernels 4 and 5 do not scale
+    lora_train_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(unit, 0.0 if x_dropped else p, device),
+                      seed, split_ds=True, da_out=grad_a[None])
+    if not want_dx:
+        return None
+    return lora_train_dx_term(grad_s, lora_a[None], meta, _train_slots(unit, p, device), seed, split_ds=True)
 
 
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

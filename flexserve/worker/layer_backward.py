@@ -33,6 +33,14 @@ Where `use_triton` says so (CUDA), the elementwise backward is fused Triton kern
 torch path's fp32 math (`backward_ops`). The fused path also drops temporaries without changing a
 value: a dX GEMM's model-dtype product is kept as is (it is the gradient's exact value; readers
 widen it), and sums go in place only into buffers the window allocated (`WindowGradients`).
+In a bf16 or fp32 model the backward of an adapter with dropout runs its LoRA A op as fused LoRA
+training kernels there (`fused_lora_a_backward`): dA and dX's LoRA term, dropout' applied with the
+mask regenerated from its hash in registers, with the same precision as above (dS as two 16-bit
+halves). That dX term reaches the frozen linear's dX GEMM epilogue, as the bypass's dX does
+without dropout, and the dropout op's own backward has nothing left to do. Without dropout the
+torch ops stay: measured on an H200 (docs/benchmarks.md, session 12), the kernels' extra
+launches made the host the bottleneck, and cuBLAS's fp32 GEMMs for LoRA B were faster than an
+fp32 Triton kernel 3.
 """
 
 from __future__ import annotations
@@ -47,10 +55,15 @@ from flexserve.layers.lora_linear import LoRALinear
 from flexserve.layers.rotary import rotate
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.layer_graph import LayerGraph, Op
-from flexserve.worker.activation_store import ActivationStore, apply_lora_dropout
+from flexserve.worker.activation_store import (
+    ActivationStore,
+    apply_lora_dropout,
+    dropout_window_seed,
+)
 from flexserve.worker.backward_gradients import WindowGradients
 from flexserve.worker.backward_ops import (
     addmm_fp32,
+    fused_lora_a_backward,
     fused_rope_backward,
     fused_silu_mul_backward,
     mm_fp32,
@@ -69,6 +82,12 @@ from flexserve_kernels.dispatch import use_triton
 # GEMMs with fp32 outputs, but 196-247 vs 108-121 us at 16-256 rows (more launches, slower small
 # out_dtype GEMMs): the co-serving windows' sizes.
 WIDE_LORA_GEMM_ROWS = 1024
+
+
+# Model dtypes in which the backward of an adapter with dropout runs its LoRA A op as the fused
+# LoRA kernels where `use_triton` (fp16's narrow exponent range cannot hold dS's two-halves split:
+# fp16 models keep the torch path).
+LORA_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def lora_grad_name(layer: int, target: str, half: str) -> str:
@@ -200,6 +219,15 @@ class SequenceBackward:
             op.name for op in self.graph.ops if op.kind == "linear"
             and any(o.kind == "lora_a" and o.inputs == op.inputs
                     and o.name.split(".")[0] == op.name.split(".")[0] for o in self.graph.ops)}
+        # The fused LoRA kernels (adapters with dropout in bf16 or fp32 models where `use_triton`):
+        # target -> the input of its dropout op, which they read and give the bypass's dX to (the
+        # frozen linear's input, whose dX GEMM then adds it, as above).
+        self._lora_kernels = store.dtype in LORA_KERNEL_DTYPES and store.lora_dropout > 0
+        self._dropout_input = {op.name.split(".")[0]: op.inputs[0] for op in self.graph.ops
+                               if op.kind == "dropout"}
+        self._adds_fused_bypass_dx = self._adds_bypass_dx | {
+            op.name for op in self.graph.ops if op.kind == "linear"
+            and self._dropout_input.get(op.name.split(".")[0]) == op.inputs[0]}
         self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
         for layer in range(len(layers)):
             for target in self.graph.bypass:
@@ -296,7 +324,8 @@ class SequenceBackward:
         elif kind == "linear" and needed[name]:
             weight = self.linear(win.layer, op.name.split(".")[0]).weight  # frozen: dX only
             old = grads.values.get(name)
-            if op.name in self._adds_bypass_dx and old is not None and win.wide_lora_gemms:
+            adds = self._adds_fused_bypass_dx if win.lora_kernels else self._adds_bypass_dx
+            if op.name in adds and old is not None and win.wide_lora_gemms:
                 # The bypass's fp32 dX (and what came before it) is there: the GEMM adds it
                 # in its epilogue, one rounding, on both paths (a new tensor either way).
                 grads.values[name] = addmm_fp32(old, grad.to(weight.dtype), weight)
@@ -309,6 +338,8 @@ class SequenceBackward:
                 give(name, dx, fresh=True)
             else:
                 give(name, dx.float())
+        elif kind == "lora_a" and win.lora_kernels:
+            self._lora_a_fused(win, op, grad, grads)
         elif kind == "lora_b":
             module, rank, _, grad_b = self._lora[(win.layer, op.name.split(".")[0])]
             scaling = module.scaling[self.lora_slot]
@@ -355,6 +386,23 @@ class SequenceBackward:
             give(up_name, d_up, fresh=fused)
         elif kind not in ("rmsnorm", "linear", "dropout", "rope"):
             raise ValueError(f"no backward for op kind {kind!r} ({op.name})")
+
+    def _lora_a_fused(self, win: _Window, op: Op, grad: torch.Tensor,
+                      grads: WindowGradients) -> None:
+        """LoRA A's backward of an adapter with dropout as the fused LoRA kernels
+        (`fused_lora_a_backward`): reads the dropout's input and regenerates the mask in registers
+        (or reads the dropout's output where the plan stores it), and gives dX to the dropout's
+        input, where the frozen linear's dX GEMM adds it."""
+        target, name = op.name.split(".")[0], op.inputs[0]
+        module, rank, grad_a, _ = self._lora[(win.layer, target)]
+        src = self._dropout_input[target]
+        x_dropped = name in self.store.stored_names[win.layer]
+        seed = dropout_window_seed(self.store.dropout_seed, win.layer, target, win.start)
+        term = fused_lora_a_backward(grad, win.act(name if x_dropped else src),
+                                     module.lora_a[self.lora_slot, :rank], self.store.lora_dropout,
+                                     seed, grad_a, x_dropped=x_dropped, want_dx=grads.needed[src])
+        if term is not None:
+            grads.give(src, term, fresh=True)
 
     def _rmsnorm_fused(self, win: _Window, op: Op, grad: torch.Tensor, grads: WindowGradients,
                        rows: torch.Tensor) -> None:
@@ -408,6 +456,7 @@ class _Window:
         # Windows this wide run the LoRA products as 16-bit GEMMs with fp32 outputs (see the
         # module docstring); narrower ones widen their operands, which was measured faster there.
         self.wide_lora_gemms = end - start >= WIDE_LORA_GEMM_ROWS
+        self.lora_kernels = owner._lora_kernels and use_triton(owner.residual_grad.device)
         self.decoder = owner.model.model.layers[layer]
         self.dtype = owner.store.dtype
         cos_sin = owner.model.model.rotary_emb.cos_sin_cache[start:end].unsqueeze(1)

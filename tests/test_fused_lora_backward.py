@@ -1,0 +1,130 @@
+"""The fine-tuning engine's fused LoRA A backward (`backward_ops.fused_lora_a_backward`: fused
+LoRA kernels 5 and 4's term with the dropout mask regenerated from the window's seed, dS split into
+two 16-bit halves, dA accumulated in place) and the dropout keep-mask kernel, against torch.
+
+Without CUDA the kernels run under Triton's interpreter in fp32 (its bf16 tl.dot is wrong in
+triton 3.9, see test_finetune_backward_kernels); with CUDA the same cases run compiled, plus bf16
+and Llama-3.1-8B shapes. Tolerances: fp32 products in another summation order, 1e-5 relative to
+the largest entry; the split dS (hi + lo within 2^-17 of it) against fp32 math: 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
+
+(kd, kb) = import_kernels(("flexserve_kernels.lora_dropout", "flexserve_kernels.lora_fused_train_bwd"),
+                          interpret=not torch.cuda.is_available())
+
+from flexserve.worker import backward_ops  # noqa: E402
+from flexserve.worker.activation_store import dropout_keep_mask, dropout_window_seed  # noqa: E402
+from flexserve_kernels.lora_fused_train_ref import dropout_keep_ref, row_seed  # noqa: E402
+
+INTERPRETED = is_interpreted(kd._dropout_keep_mask_kernel)
+DEVICE = "cpu" if INTERPRETED else "cuda"
+RUN_IN_CHILD = INTERPRETED and library_is_compiled()
+DTYPES = [torch.float32] if INTERPRETED else [torch.float32, torch.bfloat16]
+
+test_module_in_interpreter_child_process, _triton_interpret = interpreter_hooks(
+    __file__, INTERPRETED, RUN_IN_CHILD)
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(device=DEVICE, dtype=dtype)
+
+
+def assert_close(got, expected, rel):
+    err = (got.float() - expected.float()).abs().max().item()
+    assert err <= rel * expected.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("seed", [0, 12345, 2**31 - 1, 2**31, 2**32 - 1])
+def test_keep_mask_kernel_is_the_reference(seed):
+    for p in (0.0, 0.1, 0.5):
+        got = kd.dropout_keep_mask(seed, 37, 300, p, DEVICE)
+        assert got.dtype == torch.bool and got.shape == (37, 300)
+        assert torch.equal(got.cpu(), dropout_keep_ref(seed, 37, 300, p))
+
+
+def test_row_seed_shifts_the_rows():
+    full = dropout_keep_ref(77, 50, 64, 0.3)
+    for start in (0, 1, 13, 49):
+        assert torch.equal(dropout_keep_ref(row_seed(77, start), 50 - start, 64, 0.3), full[start:])
+    # seeds near 2**32 wrap as the kernels' 32-bit sums do
+    top = 2**32 - 5
+    assert torch.equal(dropout_keep_ref(row_seed(top, 3), 10, 8, 0.5), dropout_keep_ref(top, 13, 8, 0.5)[3:])
+
+
+def test_keep_mask_kernel_bad_input():
+    with pytest.raises(ValueError, match="dropout probability"):
+        kd.dropout_keep_mask(1, 4, 4, 1.0, DEVICE)
+    with pytest.raises(ValueError, match="seed"):
+        kd.dropout_keep_mask(2**32, 4, 4, 0.1, DEVICE)
+    assert kd.dropout_keep_mask(1, 0, 8, 0.1, DEVICE).shape == (0, 8)
+
+
+def test_engine_masks_are_split_invariant_on_this_path():
+    whole = dropout_keep_mask(5, 3, "down_proj", 0, 40, 96, 0.25, DEVICE)
+    parts = torch.cat([dropout_keep_mask(5, 3, "down_proj", a, b - a, 96, 0.25, DEVICE)
+                       for a, b in ((0, 7), (7, 31), (31, 40))])
+    assert torch.equal(whole, parts)
+    assert torch.equal(whole.cpu(), dropout_keep_ref(dropout_window_seed(5, 3, "down_proj", 0), 40, 96, 0.25))
+    rate = 1 - whole.float().mean().item()
+    assert 0.15 < rate < 0.35
+    assert not torch.equal(whole, dropout_keep_mask(5, 3, "up_proj", 0, 40, 96, 0.25, DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("n, width, rank", [(19, 24, 8), (1, 40, 1), (70, 130, 16)])
+def test_lora_a_backward(dtype, p, n, width, rank):
+    grad_s = randn(n, rank, seed=5, scale=1e-3)  # gradients are small: the split must keep them
+    x, lora_a = randn(n, width, dtype=dtype, seed=6), randn(rank, width, dtype=dtype, seed=7)
+    seed = row_seed(987654321, 11)
+    keep = dropout_keep_ref(seed, n, width, p).to(DEVICE)
+    scale = keep.float() / (1 - p)
+    rel = 1e-5 if dtype == torch.float32 else 1e-4
+    grad_a = randn(rank, width, seed=8)
+    before = grad_a.clone()
+    term = backward_ops.fused_lora_a_backward(grad_s, x, lora_a, p, seed, grad_a, x_dropped=False,
+                                              want_dx=True)
+    assert term.dtype == torch.float32 and term.shape == (n, width)
+    assert_close(grad_a, before + grad_s.T @ (x.float() * scale), rel)
+    assert_close(term, (grad_s @ lora_a.float()) * scale, rel)
+    # x_dropped: the stored dropout output is read as it is; dX's term still gets the mask
+    dropped = (x.float() * scale).to(dtype)
+    grad_a.copy_(before)
+    term2 = backward_ops.fused_lora_a_backward(grad_s, dropped, lora_a, p, seed, grad_a, x_dropped=True,
+                                               want_dx=True)
+    assert_close(grad_a, before + grad_s.T @ dropped.float(), rel)
+    assert torch.equal(term2, term)
+    assert backward_ops.fused_lora_a_backward(grad_s, x, lora_a, p, seed, grad_a, x_dropped=False,
+                                              want_dx=False) is None
+
+
+def test_reproducible():
+    ds = randn(33, 4, seed=1)
+    results = []
+    for _ in range(2):
+        grad_a = torch.zeros(4, 40, device=DEVICE)
+        term = backward_ops.fused_lora_a_backward(ds, randn(33, 40, seed=4), randn(4, 40, seed=5), 0.2, 99,
+                                                  grad_a, x_dropped=False, want_dx=True)
+        results.append((grad_a, term))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_llama8b_down_proj_window_bf16():
+    n, inter, rank, p = 1024, 14336, 16, 0.1
+    ds, lora_a = randn(n, rank, seed=2, scale=1e-3), randn(rank, inter, dtype=torch.bfloat16, seed=4)
+    x = randn(n, inter, dtype=torch.bfloat16, seed=5)
+    grad_a = torch.zeros(rank, inter, device=DEVICE)
+    seed = dropout_window_seed(3, 7, "down_proj", 2048)
+    term = backward_ops.fused_lora_a_backward(ds, x, lora_a, p, seed, grad_a, x_dropped=False, want_dx=True)
+    scale = dropout_keep_mask(3, 7, "down_proj", 2048, n, inter, p, DEVICE).float() / (1 - p)
+    assert_close(grad_a, ds.T @ (x.float() * scale), 1e-4)
+    assert_close(term, (ds @ lora_a.float()) * scale, 1e-4)
