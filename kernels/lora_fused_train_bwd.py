@@ -95,8 +95,8 @@ def _lora_train_ds_db_bwd_kernel(
 
 # Arguments that change from call to call (dropout seeds, window lengths, chunk counts) are not
 # specialized in the kernels the fine-tuning engine calls (5, 4's term, the reduction): Triton
-# would compile a variant per value class (1, a multiple of 16, other), a stall of a second or more
-# in the middle of a window. Chunk and split sizes stay specialized: they are multiples of the
+# would compile a variant per value class (1, a multiple of 16, other), a compile in the middle of
+# a window when a new class turns up. Chunk and split sizes stay specialized: they are multiples of the
 # tiles (one class), and their divisibility is what lets the loads vectorize.
 @triton.jit(do_not_specialize=["seed", "num_chunks"])
 def _lora_train_da_bwd_kernel(

@@ -88,10 +88,11 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.float32).to(device)
 
 
-def _train_slots(scaling: torch.Tensor, p: float, device: torch.device) -> Any:
+def _train_slots(p: float, device: torch.device) -> Any:
+    """One slot with dropout p and scaling 1 (kernels 4 and 5 do not scale)."""
     from flexserve_kernels.lora_fused_train import LoRATrainSlots
 
-    return LoRATrainSlots(scaling.float(), _scalar(p, device), p > 0)
+    return LoRATrainSlots(_scalar(1.0, device), _scalar(p, device), p > 0)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -111,12 +112,11 @@ def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.T
 
     device, n = grad_s.device, grad_s.shape[0]
     meta, grad_s = _window_meta(n, device), _rows(grad_s)
-    unit = _scalar(1.0, device)  # kernels 4 and 5 do not scale
-    lora_train_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(unit, 0.0 if x_dropped else p, device),
+    lora_train_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(0.0 if x_dropped else p, device),
                       seed, split_ds=True, da_out=grad_a[None])
     if not want_dx:
         return None
-    return lora_train_dx_term(grad_s, lora_a[None], meta, _train_slots(unit, p, device), seed, split_ds=True)
+    return lora_train_dx_term(grad_s, lora_a[None], meta, _train_slots(p, device), seed, split_ds=True)
 
 
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -225,7 +225,7 @@ class SequenceBackward:
         self._lora_kernels = store.dtype in LORA_KERNEL_DTYPES and store.lora_dropout > 0
         self._dropout_input = {op.name.split(".")[0]: op.inputs[0] for op in self.graph.ops
                                if op.kind == "dropout"}
-        self._adds_fused_bypass_dx = self._adds_bypass_dx | {
+        self._adds_fused_bypass_dx = {  # (with dropout, no LoRA A reads a linear's own input)
             op.name for op in self.graph.ops if op.kind == "linear"
             and self._dropout_input.get(op.name.split(".")[0]) == op.inputs[0]}
         self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
