@@ -304,7 +304,7 @@ _linear_fwd_tuned = triton.autotune(configs=gemm_configs(FWD_CONFIG_SHAPES), key
 # the first WIDE_RANK_TERM_CONFIGS only (the others spill there: ptxas, sm_90, triton 3.9, bf16,
 # rank 128; 64 x 128 x 4 warps: 384 bytes).
 TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (64, 128, 16, 4, 1), (64, 256, 16, 8, 1),
-                      (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (32, 256, 16, 4, 1))
+                      (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (32, 256, 16, 4, 1), (32, 64, 16, 2, 1))
 WIDE_RANK_TERM_CONFIGS = 1
 
 

@@ -264,7 +264,7 @@ _dx_bwd_tuned = triton.autotune(configs=gemm_configs(DX_CONFIG_SHAPES), key=["m_
 # The LoRA term alone (base_gemm="blas"), with the dropout hash beside the accumulator; above
 # rank 32 only the first (ptxas, sm_90, triton 3.9, bf16: 32 x 128 x 4 warps spills at rank 128).
 DX_TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (128, 128, 16, 8, 1), (64, 256, 16, 8, 1),
-                         (64, 64, 16, 4, 1))
+                         (64, 64, 16, 4, 1), (32, 64, 16, 2, 1))
 _dx_term_tuned = triton.autotune(
     configs=gemm_configs(DX_TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
     prune_configs_by={"early_config_prune": prune_by_rank})(_lora_train_dx_bwd_kernel)
@@ -413,11 +413,12 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
 
 def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
                        seed: int, *, out_dtype: torch.dtype = torch.float32, split_ds: bool = False,
-                       blocks: tuple[int, int] = (64, 128), num_warps: int = 8) -> torch.Tensor:
+                       blocks: tuple[int, int] | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Kernel 4's LoRA term alone: [T, in] = dropout'(dS A[slot]) per token (zero rows without an
     adapter), in `out_dtype`, for a caller that adds dY W itself (the fine-tuning engine adds it in
-    its dX GEMM's epilogue). `split_ds` as in `lora_train_da_bwd`. Fixed blocks, no autotuning:
-    the engine calls this with every window length and must not stop to tune."""
+    its dX GEMM's epilogue). `split_ds` as in `lora_train_da_bwd`. Fixed blocks (by rank unless
+    given), no autotuning: the engine calls this with every window length and must not stop to
+    tune."""
     check_launchable(ds, _lora_train_dx_bwd_kernel)
     num_tokens, in_size, max_rank = ds.shape[0], lora_a.shape[2], lora_a.shape[1]
     if ds.shape[1] != max_rank or ds.stride(1) != 1 or lora_a.stride(2) != 1:
@@ -427,16 +428,23 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
         return term
     if not meta.has_lora:
         return term.zero_()
-    block_m, block_n = blocks if ds.device.type == "cuda" else (16, 32)
+    # H200, rank 16, fp32 term with dS split (session 13, L2 flushed between calls): 32 x 128 tiles at
+    # 4 warps took 28.8 us at 4096 x 4096 and 83.6 at 4096 x 14336 against 60.7 and 197 for 64 x 128
+    # at 8 warps; the small tile keeps several programs per SM. It spills above rank 64 (ptxas,
+    # sm_90, triton 3.9), where 64 x 128 at 8 warps stays.
+    small = max_rank <= 64
+    block_m, block_n = blocks or ((32, 128) if small else (64, 128))
+    num_warps = num_warps or (4 if small else 8)
+    if ds.device.type != "cuda":
+        block_m, block_n, num_warps = 16, 32, 4
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
     # dY and W are not read without HAS_BASE: dS stands in for their pointers, K = 0.
     _lora_train_dx_bwd_kernel[grid](
         ds, ds, ds, lora_a, term, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
         slots.dropout_ps, num_tokens, in_size, 0, max_rank, seed, triton.next_power_of_2(num_tokens),
         0, 0, ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0),
-        # ptxas (sm_90, triton 3.9, bf16): the 64 x 128 term tile at 8 warps is DX_TERM_CONFIG_SHAPES' first.
         HAS_BASE=False, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and lora_a.dtype != torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, BLOCK_R=rank_block(max_rank), GROUP_M=4,
-        num_warps=num_warps if ds.device.type == "cuda" else 4, num_stages=1,
+        num_warps=num_warps, num_stages=1,
     )
     return term

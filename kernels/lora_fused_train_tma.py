@@ -45,7 +45,7 @@ def _lora_train_linear_fwd_tma_kernel(
         for k in range(0, K, BLOCK_K):
             x_tile = x_desc.load([off_m, k])
             w_tile = w_desc.load([off_n, k])
-            acc = tl.dot(x_tile, w_tile.T, acc)
+            acc = tl.dot(x_tile, w_tile.T, acc, input_precision="ieee")
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
@@ -58,11 +58,16 @@ def _lora_train_dx_bwd_tma_kernel(
     dy_desc, w_desc, dx_desc, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket, stride_dsm, stride_as, stride_ar, num_programs,
     HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # dX [M, N=in] = dY [M, K=out] W [K, N]: dY read as [BLOCK_M, BLOCK_K], W as [BLOCK_K, BLOCK_N].
+    # EPILOGUE_SPLIT 2 or 4: the LoRA term and the store go one column part of the tile at a time
+    # (dx_desc's block is [BLOCK_M, BLOCK_N / EPILOGUE_SPLIT]), so the hash's temporaries of a
+    # 128 x 256 tile fit in registers beside the accumulator. WARP_SPECIALIZE: a producer warp
+    # issues the TMA copies while the consumer warp groups run wgmma and the epilogue (Triton's
+    # Hopper warp specialization; 8 warps).
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), num_tiles, num_programs):
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -70,48 +75,132 @@ def _lora_train_dx_bwd_tma_kernel(
         for k in range(0, K, BLOCK_K):
             dy_tile = dy_desc.load([off_m, k])
             w_tile = w_desc.load([k, off_n])
-            acc = tl.dot(dy_tile, w_tile, acc)
-        rows = off_m + tl.arange(0, BLOCK_M)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                               seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-                               HAS_DROPOUT, False, BLOCK_R)
-        dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
+            acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
+        if EPILOGUE_SPLIT == 1:
+            _dx_part(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                     stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+        else:
+            left, right = _column_halves(acc)
+            if EPILOGUE_SPLIT == 2:
+                _dx_part(left, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+                _dx_part(right, off_n + BLOCK_N // 2, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+            else:
+                quarter0, quarter1 = _column_halves(left)
+                _dx_part(quarter0, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+                _dx_part(quarter1, off_n + BLOCK_N // 4, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+                quarter2, quarter3 = _column_halves(right)
+                _dx_part(quarter2, off_n + BLOCK_N // 2, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+                _dx_part(quarter3, off_n + 3 * (BLOCK_N // 4), dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
+                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
+                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
 
 
-# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): none spills
-# up to rank 32 (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second fp32 tile
-# and the hash beside the accumulator) and each fits the 227 KB of shared memory. Above rank 32
-# every one of them spills, hence MAX_TMA_RANK.
+@triton.jit
+def _column_halves(tile):
+    """The left and right column halves of a [rows, cols] tile."""
+    rows: tl.constexpr = tile.shape[0]
+    half: tl.constexpr = tile.shape[1] // 2
+    return tl.split(tl.permute(tl.reshape(tile, (rows, 2, half)), (0, 2, 1)))
+
+
+@triton.jit
+def _dx_part(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+             seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT: tl.constexpr,
+             BLOCK_R: tl.constexpr):
+    """Kernel 4's epilogue on the columns [off_n, off_n + acc's width) of a tile: add the LoRA
+    term and store through dx_desc (whose block is acc's shape)."""
+    rows = off_m + tl.arange(0, acc.shape[0])
+    cols = off_n + tl.arange(0, acc.shape[1])
+    acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                           seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
+                           HAS_DROPOUT, False, BLOCK_R)
+    dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
+
+
+# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; kernel 4's
+# also EPILOGUE_SPLIT and WARP_SPECIALIZE): none spills up to rank 32 (ptxas, sm_90, triton 3.9,
+# bf16; dX with dropout, which holds a second fp32 tile and the hash beside the accumulator) and
+# each fits the 227 KB of shared memory. Above rank 32 every one of them spills, hence
+# MAX_TMA_RANK. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the
+# hash of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200, triton 3.6), and in
+# two parts it still spills 304 bytes. Triton 3.6's Hopper warp specialization fails to compile
+# at 4 warps, so only 8-warp candidates take it. The last candidate of each is the one fp32
+# operands fit (`_fits_shared_memory`).
 FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-                         (128, 128, 128, 8, 3))
-DX_TMA_CONFIG_SHAPES = ((128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3))
+                         (128, 128, 128, 8, 3), (128, 128, 32, 8, 3))
+DX_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, 4, True), (128, 256, 64, 8, 3, 4, False), (128, 128, 64, 8, 4, 1, True),
+                        (128, 128, 64, 8, 4, 1, False), (128, 128, 64, 8, 3, 1, False), (128, 128, 128, 8, 3, 1, False),
+                        (128, 128, 32, 8, 3, 1, False))
 MAX_TMA_RANK = 32
 
 
-def _set_blocks(operands: tuple[tuple[str, str, str], ...]):
-    """An autotuner pre_hook that sets each descriptor's block shape from the config's blocks:
-    operands are (descriptor argument, row block name, column block name)."""
+def _block_shape(values: dict, operand: tuple[str, ...]) -> list[int]:
+    """The block of one descriptor: operand is (argument, row block name, column block name[, name
+    of the count the columns are split into]), values the launch's constexprs."""
+    _, rows, cols, *split = operand
+    return [values[rows], values[cols] // (values[split[0]] if split else 1)]
+
+
+def _set_blocks(operands: tuple[tuple[str, ...], ...]):
+    """An autotuner pre_hook that sets each descriptor's block shape from the config's blocks."""
 
     def hook(nargs):
-        for name, rows, cols in operands:
-            nargs[name].block_shape = [nargs[rows], nargs[cols]]
+        for operand in operands:
+            nargs[operand[0]].block_shape = _block_shape(nargs, operand)
 
     return hook
 
 
 def _configs(shapes, operands) -> list[triton.Config]:
     hook = _set_blocks(operands)
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s,
-                          pre_hook=hook) for m, n, k, w, s in shapes]
+    configs = []
+    for m, n, k, w, s, *epilogue in shapes:
+        extra = dict(zip(("EPILOGUE_SPLIT", "WARP_SPECIALIZE"), epilogue))
+        configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, **extra}, num_warps=w,
+                                     num_stages=s, pre_hook=hook))
+    return configs
 
 
 _FWD_OPERANDS = (("x_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_N", "BLOCK_K"), ("y_desc", "BLOCK_M", "BLOCK_N"))
-_DX_OPERANDS = (("dy_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_K", "BLOCK_N"), ("dx_desc", "BLOCK_M", "BLOCK_N"))
-_fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERANDS),
-                             key=["m_bucket", "N", "K", "max_rank"])(_lora_train_linear_fwd_tma_kernel)
-_dx_tuned = triton.autotune(configs=_configs(DX_TMA_CONFIG_SHAPES, _DX_OPERANDS),
-                            key=["m_bucket", "N", "K", "max_rank"])(_lora_train_dx_bwd_tma_kernel)
+_DX_OPERANDS = (("dy_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_K", "BLOCK_N"),
+                ("dx_desc", "BLOCK_M", "BLOCK_N", "EPILOGUE_SPLIT"))
+
+
+def _fits_shared_memory(configs, named_args, **kwargs):
+    """The autotuner's `early_config_prune`: the candidates whose pipeline buffers (num_stages
+    pairs of operand tiles) and output staging tile fit the GPU's shared memory at the operands'
+    element size (the last candidate when none does). Before it, fp32 operands overflowed every
+    candidate, and the autotuner, all its times infinite, launched one that failed."""
+    first = named_args[next(name for name in named_args if name.endswith("_desc"))]
+    size = first.base.element_size()
+    limit = torch.cuda.get_device_properties(first.base.device).shared_memory_per_block_optin
+    fitting = []
+    for c in configs:
+        m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        staging = m * n // c.kwargs.get("EPILOGUE_SPLIT", 1)
+        if (c.num_stages * (m + n) * k + staging) * size <= limit:
+            fitting.append(c)
+    return fitting or configs[-1:]
+
+
+_TUNE_KEY = ["m_bucket", "N", "K", "max_rank"]
+_fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERANDS), key=_TUNE_KEY,
+                             prune_configs_by={"early_config_prune": _fits_shared_memory})(
+    _lora_train_linear_fwd_tma_kernel)
+_dx_tuned = triton.autotune(configs=_configs(DX_TMA_CONFIG_SHAPES, _DX_OPERANDS), key=_TUNE_KEY,
+                            prune_configs_by={"early_config_prune": _fits_shared_memory})(
+    _lora_train_dx_bwd_tma_kernel)
 
 
 @functools.cache
@@ -140,17 +229,19 @@ def _check_supported(max_rank: int, *tensors: torch.Tensor) -> None:
                          "start at 16-byte boundaries (use base_gemm='blas')")
 
 
-def _launch(kernel, tuned_kernel, operands, tensors, rest, num_rows, num_cols, max_rank, blocks, **consts) -> None:
+def _launch(kernel, tuned_kernel, operands, tensors, rest, num_rows, num_cols, max_rank, blocks, untuned=None,
+            **consts) -> None:
     """Launch one of the TMA kernels: descriptors of `tensors` (in `operands`' order and blocks),
     then the `rest` of its arguments, on a persistent grid of at most one program per SM over the
     output's num_rows x num_cols tiles. Autotuned on CUDA unless `blocks` = (BLOCK_M, BLOCK_N,
-    BLOCK_K) is given (the interpreter's tests); the autotuner's pre_hook sets each config's
-    descriptor blocks, so the ones built here are placeholders then."""
+    BLOCK_K) is given (the interpreter's tests; `untuned` holds that launch's other tile
+    constexprs); the autotuner's pre_hook sets each config's descriptor blocks, so the ones built
+    here are placeholders then."""
     device = tensors[0].device
     tuned = device.type == "cuda" and blocks is None
     bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
-    sizes = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-    descs = [_descriptor(t, (sizes[rows], sizes[cols])) for t, (_, rows, cols) in zip(tensors, operands)]
+    sizes = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **({} if tuned else untuned or {})}
+    descs = [_descriptor(t, _block_shape({"EPILOGUE_SPLIT": 1, **sizes}, op)) for t, op in zip(tensors, operands)]
     programs = _num_sms(device)
     args = (*descs, *rest, programs)
     consts["BLOCK_R"] = rank_block(max_rank)
@@ -174,8 +265,9 @@ def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None
             out_size, max_rank, blocks)
 
 
-def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None) -> None:
-    """Kernel 4 with the GEMM over TMA into dx [T, in]; tiles as in `_launch`."""
+def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None, epilogue_split=2) -> None:
+    """Kernel 4 with the GEMM over TMA into dx [T, in]; tiles as in `_launch`, and with `blocks`
+    the epilogue in `epilogue_split` column parts (1 or 2), without warp specialization."""
     _check_supported(lora_a.shape[1], dy, weight, dx)
     num_tokens, out_size = dy.shape
     in_size, max_rank = weight.shape[1], lora_a.shape[1]
@@ -183,4 +275,5 @@ def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks
             in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens), ds.stride(0), lora_a.stride(0),
             lora_a.stride(1))
     _launch(_lora_train_dx_bwd_tma_kernel, _dx_tuned, _DX_OPERANDS, (dy, weight, dx), rest, num_tokens, in_size,
-            max_rank, blocks, HAS_DROPOUT=slots.has_dropout)
+            max_rank, blocks, untuned=dict(EPILOGUE_SPLIT=epilogue_split, WARP_SPECIALIZE=False),
+            HAS_DROPOUT=slots.has_dropout)

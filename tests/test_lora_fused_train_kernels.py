@@ -133,6 +133,24 @@ def test_tma_form_matches_reference():
         assert_close(name, g, w, 1e-4)
 
 
+@pytest.mark.parametrize("epilogue_split, blocks", [(1, (16, 32, 32)), (2, (16, 32, 32)), (4, (16, 64, 32))])
+def test_tma_dx_epilogue_in_column_parts_matches_blas_form(epilogue_split, blocks):
+    # Kernel 4 over TMA with its epilogue (LoRA term with dropout, store) whole or in 2 or 4 column
+    # parts of the tile, against the blas form; in = 40 leaves the last column tile partial.
+    from flexserve_kernels.lora_fused_train_tma import dx_bwd_tma
+
+    x, weight, lora_a, _, meta, scalings = make_inputs(TMA_CASE)
+    slots = fused.LoRATrainSlots.build(scalings, list(TMA_CASE.dropout_ps), DEVICE)
+    g = torch.Generator().manual_seed(2)
+    dy = torch.randn(x.shape[0], TMA_CASE.out_size, generator=g).to(DEVICE)
+    ds = torch.randn(x.shape[0], TMA_CASE.max_rank, generator=g).to(DEVICE)
+    token_segs = fused.token_segments(meta)
+    want = fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 7, base_gemm="blas")
+    got = torch.full_like(want, float("nan"))
+    dx_bwd_tma(dy, weight, ds, lora_a, got, token_segs, meta, slots, 7, blocks=blocks, epilogue_split=epilogue_split)
+    assert_close("dX", got, want.float(), 1e-4)
+
+
 def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r1-p0"])  # in = 33: 132-byte rows
     slots = fused.LoRATrainSlots.build(scalings, [0.0], x.device)
@@ -367,6 +385,7 @@ import triton
 from triton.compiler import ASTSource
 from flexserve_kernels import lora_fused_train as kf
 from flexserve_kernels import lora_fused_train_bwd as kb
+from flexserve_kernels import lora_fused_train_tma as kt
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
 I32 = {"count_ptr", "keys_ptr"}  # kernel 1's split counters and column keys
@@ -378,8 +397,8 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, strea
             sig[name] = "constexpr"
             continue
         if name.endswith("_desc"):  # base_gemm="tma": a tensor descriptor of the config's block
-            rows, cols = descs[name]
-            sig[name] = f"tensordesc<bf16[{consts[rows]}, {consts[cols]}]>"
+            rows, cols = kt._block_shape(consts, descs[name])
+            sig[name] = f"tensordesc<bf16[{rows}, {cols}]>"
             continue
         if name.endswith("_ptr"):
             sig[name] = "*fp32" if name in FP32 else "*i32" if "seg" in name or name in I32 else "*bf16"
@@ -435,20 +454,21 @@ for rank in (16, 32, 128):
         compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=split_ds, BLOCK_M=32,
                                                        BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank),
                     4 if rank <= 32 else 8, 3)
-    # The engine's dX term (`lora_train_dx_term`: 64 x 128 tiles, 8 warps, dS split in two).
-    compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_BASE=False, HAS_DROPOUT=True, SPLIT_DS=True, BLOCK_M=64,
-                                                   BLOCK_N=128, BLOCK_K=16, BLOCK_R=rank, GROUP_M=4), 8, 1)
+    # The engine's dX term (`lora_train_dx_term`: 32 x 128 tiles at 4 warps up to rank 64, 64 x 128
+    # at 8 above; dS split in two).
+    compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_BASE=False, HAS_DROPOUT=True, SPLIT_DS=True,
+                                                   BLOCK_M=32 if rank <= 64 else 64, BLOCK_N=128, BLOCK_K=16,
+                                                   BLOCK_R=rank, GROUP_M=4), 4 if rank <= 64 else 8, 1)
 for accumulate in (False, True):
     compile_one(kb._lora_train_slot_reduce_kernel, dict(ACCUMULATE=accumulate, BLOCK=1024), 4, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
-from flexserve_kernels import lora_fused_train_tma as kt
 for shapes, fn, operands, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel, kt._FWD_OPERANDS, {}),
                                     (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
                                      {"HAS_DROPOUT": True})):
     for c in kt._configs(shapes, operands):
         for rank in (16, kt.MAX_TMA_RANK):
             compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages, gemm=True,
-                        descs={name: (rows, cols) for name, rows, cols in operands})
+                        descs={operand[0]: operand for operand in operands})
 print("ok")
 """
 
