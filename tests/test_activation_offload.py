@@ -6,6 +6,8 @@ The gradients of a job with offloaded layers against HF + PEFT: tests/test_layer
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 
 import pytest
@@ -26,12 +28,13 @@ def _graph(tiny_config, dropout: float = 0.0):
 
 
 def _roundtrip(graph, device, offload, seed: int, dropout: float = 0.0, clobber: bool = False,
-               host_rows: int | None = None):
+               host_rows: int | None = None, plan=None):
     """Write random rows window by window (forward order), then read every layer back from the
-    top down window by window (the backward's order); assert they are what was written."""
+    top down window by window (the backward's order); assert they are what was written. `plan`
+    defaults to the graph's pruning plan."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    plan = plan_pruning(graph, 4)
+    plan = plan or plan_pruning(graph, 4)
     store = ActivationStore(graph, plan, NUM_LAYERS, MAX_LEN, torch.float32, device,
                             lora_dropout=dropout, dropout_seed=seed, offload_layers=offload,
                             offload_host_rows=host_rows)
@@ -98,10 +101,17 @@ def test_host_buffers_sized_for_the_jobs_longest_sequence(tiny_config):
 
 
 def test_offloaded_dropout_bitmasks(tiny_config):
+    # The pruning plan keeps no mask (dropout is folded into LoRA A); a plan that keeps the masks
+    # as bitmasks round-trips them through offloaded layers too.
     graph = _graph(tiny_config, dropout=0.3)
-    assert "q_proj_mask" in plan_pruning(graph, 4).compressed
-    store = _roundtrip(graph, "cpu", (1, 2, 3, 4), seed=4, dropout=0.3)
-    assert store.bitmask_names[1] == {"q_proj_mask", "down_proj_mask"}
+    plan = plan_pruning(graph, 4)
+    assert not plan.compressed
+    masks = ("q_proj_mask", "down_proj_mask")
+    plan = dataclasses.replace(
+        plan, stored=plan.stored | set(masks), compressed=dict.fromkeys(masks, "bitmask"),
+        bytes_per_token=plan.bytes_per_token + sum(math.ceil(graph.tensors[n].width / 8) for n in masks))
+    store = _roundtrip(graph, "cpu", (1, 2, 3, 4), seed=4, dropout=0.3, plan=plan)
+    assert store.bitmask_names[1] == set(masks)
 
 
 def test_bad_offloads_are_refused(tiny_config):

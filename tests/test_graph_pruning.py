@@ -15,6 +15,7 @@ from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import (
     PruningPlan,
     backward_rule,
+    fold_lora_dropout,
     full_autograd_bytes_per_token,
     plan_pruning,
 )
@@ -103,24 +104,35 @@ def test_chains_beyond_algorithm_1_trade_memory_for_recompute(llama8b):
     assert {"gate_out", "up_out", "x", "x_mid"} <= p.stored and "q" not in p.stored
 
 
-def test_lora_with_dropout(llama8b):
-    p = plan(llama8b, dict.fromkeys(ALL, "lora"), dropout=0.1)
-    xd = {f"{t}_xd" for t in ALL}
-    masks = {f"{t}_mask" for t in ALL}
-    # The LoRA inputs are dropout outputs now: their sources (h_attn, attn, h_mlp, m) are not in A,
-    # so algorithm 1 cannot recompute them and stores each; the masks go as bitmasks.
-    assert p.stored == BASE_STORED | xd | masks
-    assert p.compressed == dict.fromkeys(masks, "bitmask")
-    assert p.remat_order == tuple(f"{t}_s" for t in ALL)
-    assert p.kv_cache == {"k", "v_out"}
-    xd_bytes = (6 * H + I) * 2
-    mask_bytes = (6 * H + I) // 8
-    assert p.bytes_per_token == BASE_BYTES + xd_bytes + mask_bytes == 164608
-    assert {t.name: t.needed_by for t in p.tensors}["q_proj_mask"] == ("q_proj.dropout",)
-    # Layer 0: dx of the q/k/v dropouts feeds only rmsnorm's dx, which is gone with grad(x).
-    p0 = plan(llama8b, dict.fromkeys(ALL, "lora"), dropout=0.1, input_grad=False)
-    assert p0.compressed.keys() == masks - {f"{t}_mask" for t in ATTN_IN}
-    assert "x" not in p0.stored and {f"{t}_xd" for t in ATTN_IN} <= p0.stored
+@pytest.mark.parametrize("targets", [("down_proj",), ALL])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_lora_dropout_is_planned_folded_into_lora_a(llama8b, targets, input_grad):
+    # The dropout mask is regenerated from its seed, so each dropout folds into its LoRA A (which
+    # then reads the dropout's input): with dropout the plan is exactly the plan without it, no
+    # mask and no dropout output kept, at every layer.
+    bypass = dict.fromkeys(targets, "lora")
+    with_dropout = plan(llama8b, bypass, dropout=0.1, input_grad=input_grad)
+    without = plan(llama8b, bypass, input_grad=input_grad)
+    for field in ("stored", "kv_cache", "rematerialized", "compressed", "bytes_per_token", "tensors", "backward"):
+        assert getattr(with_dropout, field) == getattr(without, field), field
+    assert not any(name.endswith(("_xd", "_mask")) for t in with_dropout.tensors for name in (t.name, *t.needed_by))
+    # All seven projections: 90,112 bytes per token and layer (before the fold, with each mask a
+    # bitmask and each dropout output stored: 164,608).
+    if targets == ALL and input_grad:
+        assert with_dropout.bytes_per_token == 90112
+        assert with_dropout.remat_order[0] == "h_attn" and "attn" in with_dropout.stored
+
+
+def test_fold_lora_dropout(llama8b):
+    graph = build_layer_graph(llama8b, dict.fromkeys(ALL, "lora"), 16, 0.1)
+    folded = fold_lora_dropout(graph)
+    assert [op.name for op in folded.ops] == [op.name for op in graph.ops if op.kind != "dropout"]
+    src = {"q_proj": "h_attn", "o_proj": "attn", "up_proj": "h_mlp", "down_proj": "m"}
+    for target, name in src.items():
+        assert next(op for op in folded.ops if op.name == f"{target}.lora_a").inputs == (name,)
+    assert set(graph.tensors) - set(folded.tensors) == {f"{t}_{s}" for t in ALL for s in ("xd", "mask")}
+    no_dropout = build_layer_graph(llama8b, dict.fromkeys(ALL, "lora"), 16, 0.0)
+    assert fold_lora_dropout(no_dropout) is no_dropout and folded.ops == no_dropout.ops
 
 
 def test_ia3_peft_default(llama8b):
@@ -171,7 +183,9 @@ def test_threshold_zero_rematerializes_nothing_and_attention_is_never_redone(lla
 
 def _check_valid(graph: LayerGraph, p: PruningPlan) -> None:
     """Independent of the pass: what the kept gradients read (by the rules) is available, and
-    every rematerialized tensor is recomputable from earlier available tensors."""
+    every rematerialized tensor is recomputable from earlier available tensors (in the graph the
+    pass plans: its LoRA dropout folded)."""
+    graph = fold_lora_dropout(graph)
     order = ["x"] + [t for op in graph.ops for t in op.outputs]
     ops = {op.name: op for op in graph.ops}
     available = p.stored | p.kv_cache | p.rematerialized
@@ -188,8 +202,7 @@ def _check_valid(graph: LayerGraph, p: PruningPlan) -> None:
             assert t.recompute_from == ()
             continue
         producer = graph.producer(t.name)
-        extra = producer.outputs[1:] if producer.kind == "dropout" else ()
-        assert t.recompute_from == producer.inputs + extra
+        assert t.recompute_from == producer.inputs
         assert producer.kind != "attention"
         for source in t.recompute_from:
             assert source in available
@@ -221,8 +234,9 @@ def test_backward_rules():
     assert backward_rule(lora_a, "p.lora_A") == {"a"} and backward_rule(lora_a, "a") == set()
     silu = Op("silu_mul", "silu_mul", ("g", "u"), ("m",))
     assert backward_rule(silu, "g") == {"g", "u"} and backward_rule(silu, "u") == {"g"}
-    dropout = Op("p.dropout", "dropout", ("a",), ("xd", "mask"))
-    assert backward_rule(dropout, "a") == {"mask"}
+    # LoRA dropout has no rule of its own: the pass folds it into LoRA A (`fold_lora_dropout`).
+    with pytest.raises(ValueError, match="no backward rule for op kind 'dropout'"):
+        backward_rule(Op("p.dropout", "dropout", ("a",), ("xd", "mask")), "a")
     attention = Op("attention", "attention", ("q", "k", "v"), ("o",))
     assert backward_rule(attention, "k") == {"q", "k", "v"}
     assert backward_rule(Op("rope_q", "rope", ("a",), ("b",)), "a") == set()

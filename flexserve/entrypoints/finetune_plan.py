@@ -2,7 +2,7 @@
 
 Only the model's config is read, so shipped architecture names (`llama-3.1-8b`) work without
 weights. For the requested bypass networks it prints, per decoder layer, every tensor the backward
-needs and how it is kept (stored, bitmask, KV cache, rematerialized) with its bytes per token, and
+needs and how it is kept (stored, KV cache, rematerialized) with its bytes per token, and
 beside the totals what ordinary PyTorch autograd keeps for the same layer (measured on the CPU
 with HF transformers + peft, see `AutogradProbe`) and the reduction. With `--max-finetune-len`
 (and `--finetune-activation-budget`), it also prints the plan of every layer a job would use
@@ -45,7 +45,7 @@ def add_finetune_plan_parser(commands: Any) -> argparse.ArgumentParser:
         "finetune-plan", help="show which activations fine-tuning keeps (graph pruning)",
         description="Run FlexLLM's static graph pruning (algorithm 1) on one decoder layer of "
                     "MODEL with bypass networks on TARGETS, and print what the backward needs "
-                    "per token: stored, bitmask, KV cache or rematerialized, against what plain "
+                    "per token: stored, KV cache or rematerialized, against what plain "
                     "PyTorch autograd keeps.")
     add_finetune_plan_arguments(parser)
     parser.set_defaults(handler=finetune_plan)
@@ -62,7 +62,8 @@ def add_finetune_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bypass", default="lora", help="lora or ia3 [%(default)s]")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank [%(default)s]")
     parser.add_argument("--dropout", type=float, default=0.0,
-                        help="LoRA dropout; > 0 adds dropout masks [%(default)s]")
+                        help="LoRA dropout; planned folded into LoRA A (its mask is regenerated "
+                        "from its seed), so the plan is the one without dropout [%(default)s]")
     parser.add_argument("--remat-threshold", type=float, default=None,
                         help="rematerialize a tensor when recomputing it costs less than this "
                              f"fraction of the layer's forward FLOPs [{DEFAULT_REMAT_THRESHOLD}; "
