@@ -76,56 +76,34 @@ def _lora_train_dx_bwd_tma_kernel(
             dy_tile = dy_desc.load([off_m, k])
             w_tile = w_desc.load([k, off_n])
             acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
-        if EPILOGUE_SPLIT == 1:
-            _dx_part(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                     stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
-        else:
-            left, right = _column_halves(acc)
-            if EPILOGUE_SPLIT == 2:
-                _dx_part(left, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
-                _dx_part(right, off_n + BLOCK_N // 2, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
-            else:
-                quarter0, quarter1 = _column_halves(left)
-                _dx_part(quarter0, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
-                _dx_part(quarter1, off_n + BLOCK_N // 4, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
-                quarter2, quarter3 = _column_halves(right)
-                _dx_part(quarter2, off_n + BLOCK_N // 2, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
-                _dx_part(quarter3, off_n + 3 * (BLOCK_N // 4), dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr,
-                         seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm,
-                         stride_as, stride_ar, HAS_DROPOUT, BLOCK_R)
+        _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                  seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT,
+                  BLOCK_R, EPILOGUE_SPLIT)
 
 
 @triton.jit
-def _column_halves(tile):
-    """The left and right column halves of a [rows, cols] tile."""
-    rows: tl.constexpr = tile.shape[0]
-    half: tl.constexpr = tile.shape[1] // 2
-    return tl.split(tl.permute(tl.reshape(tile, (rows, 2, half)), (0, 2, 1)))
-
-
-@triton.jit
-def _dx_part(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-             seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT: tl.constexpr,
-             BLOCK_R: tl.constexpr):
-    """Kernel 4's epilogue on the columns [off_n, off_n + acc's width) of a tile: add the LoRA
-    term and store through dx_desc (whose block is acc's shape)."""
-    rows = off_m + tl.arange(0, acc.shape[0])
-    cols = off_n + tl.arange(0, acc.shape[1])
-    acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                           seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-                           HAS_DROPOUT, False, BLOCK_R)
-    dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
+def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+              seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
+              HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
+    """Kernel 4's epilogue on the columns [off_n, off_n + acc's width) of a tile, in PARTS column
+    parts (a power of two) one after the other: add the LoRA term and store through dx_desc (whose
+    block is one part's shape)."""
+    if PARTS == 1:
+        rows = off_m + tl.arange(0, acc.shape[0])
+        cols = off_n + tl.arange(0, acc.shape[1])
+        acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                               seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
+                               HAS_DROPOUT, False, BLOCK_R)
+        dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
+    else:
+        half: tl.constexpr = acc.shape[1] // 2
+        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, half)), (0, 2, 1)))
+        _dx_parts(left, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+                  seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT,
+                  BLOCK_R, PARTS // 2)
+        _dx_parts(right, off_n + half, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr,
+                  seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
+                  HAS_DROPOUT, BLOCK_R, PARTS // 2)
 
 
 # Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; kernel 4's
