@@ -428,10 +428,10 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
         return term
     if not meta.has_lora:
         return term.zero_()
-    # H200, rank 16, fp32 term with dS split (session 13, L2 flushed between calls): 32 x 128 tiles at
-    # 4 warps took 28.8 us at 4096 x 4096 and 83.6 at 4096 x 14336 against 60.7 and 197 for 64 x 128
-    # at 8 warps; the small tile keeps several programs per SM. It spills above rank 64 (ptxas,
-    # sm_90, triton 3.9), where 64 x 128 at 8 warps stays.
+    # H200, rank 16, fp32 term with dS split (benchmarks/kernels/lora_dx_term_sweep.py, session 13):
+    # 32 x 128 tiles at 4 warps took 30.8 us at 4096 x 4096 and 83.2 at 4096 x 14336 against 60.1
+    # and 196 for 64 x 128 at 8 warps, which left one program per SM. The small tile spills above
+    # rank 64 (ptxas, sm_90, triton 3.9), where 64 x 128 at 8 warps stays.
     small = max_rank <= 64
     block_m, block_n = blocks or ((32, 128) if small else (64, 128))
     num_warps = num_warps or (4 if small else 8)

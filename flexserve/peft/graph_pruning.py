@@ -187,7 +187,8 @@ def fold_lora_dropout(graph: LayerGraph) -> LayerGraph:
             op = replace(op, inputs=dropouts[op.inputs[0]].inputs)
         ops.append(op)
     gone = {t for op in dropouts.values() for t in op.outputs}
-    return replace(graph, ops=tuple(ops), tensors={n: s for n, s in graph.tensors.items() if n not in gone})
+    tensors = {name: spec for name, spec in graph.tensors.items() if name not in gone}
+    return replace(graph, ops=tuple(ops), tensors=tensors)
 
 
 def _needed(graph: LayerGraph, bwd: dict[str, _BackwardOp]) -> dict[str, list[str]]:
@@ -245,11 +246,12 @@ def plan_pruning(
 
     Step 2 visits A in forward order. t moves to R when every input its producer reads is in A
     as step 1 left it, and COST(t) < remat_threshold x the layer's forward FLOPs per token
-    (attention excluded); remat_threshold 0 rematerializes nothing. An input that already moved to R is no longer stored, so it is recomputed first and
-    COST(t) pays for it: COST(t) = the producer's `flops_per_token` + COST of each input in R (a
-    chain is paid in full). Forward order decides every input before t, so the result is
-    deterministic, and R is recomputable, in forward order, from stored and KV-cache tensors.
-    Attention costs infinity (its FLOPs grow with the context and it needs the whole KV prefix).
+    (attention excluded); remat_threshold 0 rematerializes nothing. An input that already moved
+    to R is no longer stored, so it is recomputed first and COST(t) pays for it: COST(t) = the
+    producer's `flops_per_token` + COST of each input in R (a chain is paid in full). Forward
+    order decides every input before t, so the result is deterministic, and R is recomputable,
+    in forward order, from stored and KV-cache tensors. Attention costs infinity (its FLOPs grow
+    with the context and it needs the whole KV prefix).
 
     `chains` (beyond algorithm 1): an input outside A counts as recomputable when its own
     producer's inputs are (recursively), at its cost; such chain intermediates join R (needed_by
