@@ -45,8 +45,9 @@ def main() -> None:
     parser.add_argument("--lora-dropouts", type=float, nargs="+", default=[0.0])
     parser.add_argument("--lora-backward", nargs="+", choices=["kernels", "torch"], default=["kernels"],
                         help="torch: the adapters' backward and the dropout masks as torch ops (no "
-                             "fused LoRA kernels; the masks' int64 reference hash), the path before "
-                             "the kernels; several values run each case once per value")
+                             "fused LoRA kernels; the masks' int64 reference hash, regenerated in the "
+                             "backward since plans keep no mask); several values run each case once "
+                             "per value")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--remat-threshold", type=float, default=None,

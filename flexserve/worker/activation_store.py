@@ -9,8 +9,9 @@ in the paged KV cache; the backward rematerializes everything else from these.
 
 LoRA dropout masks are a counter-based hash of (seed, layer, target, position, column), not a
 random stream: the forward of one window split and the backward of any other split see the same
-mask, and a plan may keep the mask as a bitmask (1 bit per element, FlexLLM's compression) or
-not at all. The hash is the fused LoRA kernels' (`flexserve_kernels.lora_fused_train`) under a
+mask, so the pruning plans keep neither masks nor dropout outputs (`graph_pruning.
+fold_lora_dropout`); a plan given by hand may still keep a mask as a bitmask (1 bit per element,
+FlexLLM's compression). The hash is the fused LoRA kernels' (`flexserve_kernels.lora_fused_train`) under a
 seed per (job seed, layer, target) (`dropout_salt`), rows being positions in the sequence: on
 CUDA a kernel writes the mask in one pass, and the fused LoRA backward regenerates it in
 registers from the window's seed (`dropout_window_seed`) without reading it.
