@@ -579,13 +579,22 @@ class FusedLoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         # Imported here: the backward module imports this one's jit helpers.
-        from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_ds_db_bwd, lora_train_dx_bwd
+        from flexserve_kernels.lora_fused_train_bwd import (
+            lora_train_da_bwd,
+            lora_train_ds_db_bwd,
+            lora_train_dx_bwd,
+            lora_train_dx_term_da_bwd,
+        )
 
         x, weight, lora_a, lora_b, s, token_segs = ctx.saved_tensors
         meta, slots, seed = ctx.meta, ctx.slots, ctx.seed
         dy = dy.contiguous()
         ds, db = lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
         dx = None
+        if ctx.needs_input_grad[0] and ctx.base_gemm == "blas":
+            # dX's LoRA term and dA in one pass over the [T, in] tiles; the GEMM adds dY W to it
+            term, da = lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, seed)
+            return term.addmm_(dy, weight), None, da, db, None, None, None, None
         if ctx.needs_input_grad[0]:
             dx = lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, seed, base_gemm=ctx.base_gemm)
         da = lora_train_da_bwd(x, ds, lora_a, meta, slots, seed)

@@ -5,7 +5,10 @@ Only x and S = dropout(x) A^T are kept from the forward; the dropout mask is reg
   kernel 4 (`lora_train_dx_bwd`): dX = dY W + dropout'(dS A) in one pass over dX (LoRA in the
   base GEMM's epilogue, dropout' = the same mask / (1 - p)); as in kernel 2, base_gemm "blas"
   (default) has the kernel write the LoRA term and torch's GEMM add dY W in its epilogue;
-  kernel 5 (`lora_train_da_bwd`): dA = dS^T dropout(x), a small GEMM over the adapter rows.
+  kernel 5 (`lora_train_da_bwd`): dA = dS^T dropout(x), a small GEMM over the adapter rows;
+  kernels 4's term and 5 in one pass (`lora_train_dx_term_da_bwd`, what base_gemm "blas" and the
+  fine-tuning engine run): both walk the [T, in] tiles of the adapter rows with the same keep
+  mask, so one walk reads x, hashes each tile's mask once, adds to dA and stores the term.
 dB and dA sum over tokens of a slot. Each program owns a chunk of rows of one segment and writes its
 partial sum; a second kernel adds a slot's partials in a fixed order. Nothing uses atomics, so
 gradients are bitwise reproducible run to run (deterministic training with no separate mode).
@@ -87,7 +90,8 @@ def _lora_train_ds_db_bwd_kernel(
             ds_ptrs = ds_part_ptr + split * stride_dss + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :]
             ds_mask = m_mask[:, None] & r_mask[None, :]
             ds = tl.dot(dy_tile, b_tile, input_precision="ieee") * scale
-            ds += tl.load(ds_ptrs, mask=ds_mask, other=0.0)  # ds_part starts zeroed
+            if n0 > n_begin:  # the split's first column tile stores; the others add to it
+                ds += tl.load(ds_ptrs, mask=ds_mask, other=0.0)
             tl.store(ds_ptrs, ds, mask=ds_mask)
         db_ptrs = db_part_ptr + item * stride_dbi + cols.to(tl.int64)[:, None] * stride_dbn + offs_r[None, :]
         tl.store(db_ptrs, db_acc * scale, mask=n_mask[:, None] & r_mask[None, :])
@@ -100,14 +104,18 @@ def _lora_train_ds_db_bwd_kernel(
 # tiles (one class), and their divisibility is what lets the loads vectorize.
 @triton.jit(do_not_specialize=["seed", "num_chunks"])
 def _lora_train_da_bwd_kernel(
-    x_ptr, ds_ptr, da_part_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
+    x_ptr, ds_ptr, a_ptr, term_ptr, da_part_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr,
     K, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
-    stride_xm, stride_dsm, stride_dai, stride_dar,
-    HAS_DROPOUT: tl.constexpr, SPLIT_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    stride_xm, stride_dsm, stride_as, stride_ar, stride_tm, stride_dai, stride_dar,
+    WITH_TERM: tl.constexpr, HAS_DROPOUT: tl.constexpr, MASK_X: tl.constexpr, SPLIT_DS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    # Grid: (segment, row chunk, column split) as in kernel 3; dropout(x) is rebuilt per tile.
-    # SPLIT_DS: dS (fp32) enters the MMA as two 16-bit halves (`split_ds`), not rounded to one.
+    # Kernel 5 over the [T, in] tiles of the adapter rows; grid: (segment, row chunk, column
+    # split) as in kernel 3; dropout(x) is rebuilt per tile. WITH_TERM: kernel 4's term in the
+    # same pass: the tile's keep mask also masks dS A (dropout'(dS A)), which is stored, so the
+    # walk, x's read and the hash are shared. SPLIT_DS: dS (fp32) enters the MMAs as two 16-bit
+    # halves (`split_ds`), not rounded to one. MASK_X = False: x is already dropped (a stored
+    # dropout output), so dA takes it as it is; the term is masked still.
     seg = tl.program_id(0)
     chunk = tl.program_id(1)
     split = tl.program_id(2)
@@ -117,6 +125,7 @@ def _lora_train_da_bwd_kernel(
     slot, row_begin, row_stop = _chunk_rows(seg_starts_ptr, seg_slots_ptr, seg, seg_len, chunk, rows_per_chunk)
     p = tl.load(dropout_ps_ptr + slot)
     threshold = keep_threshold(p)
+    inv_keep = 1.0 / (1.0 - p)
     k_begin = split * k_per_split
     k_stop = tl.minimum(K, k_begin + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
@@ -127,24 +136,36 @@ def _lora_train_da_bwd_kernel(
     for k0 in range(k_begin, k_stop, BLOCK_K):
         cols = k0 + offs_k
         k_mask = cols < k_stop
+        if WITH_TERM:
+            a_tile = tl.load(a_ptr + slot * stride_as + offs_r[:, None] * stride_ar + cols[None, :],
+                             mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         da_acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         for m0 in range(row_begin, row_stop, BLOCK_M):
             rows = m0 + offs_m
             m_mask = rows < row_stop
             x_tile = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
                              mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if HAS_DROPOUT:
-                x_tile = tl.where(dropout_keep(seed, rows, cols, threshold), x_tile, 0.0)
             ds_tile = tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + offs_r[None, :],
                               mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+            if HAS_DROPOUT:
+                keep = dropout_keep(seed, rows, cols, threshold)
+                if MASK_X:
+                    x_tile = tl.where(keep, x_tile, 0.0)
             if SPLIT_DS:
                 ds_hi, ds_lo = split_ds(ds_tile, x_tile.dtype)
                 da_acc = tl.dot(tl.trans(ds_hi), x_tile, da_acc, input_precision="ieee")
                 da_acc = tl.dot(tl.trans(ds_lo), x_tile, da_acc, input_precision="ieee")
             else:
                 da_acc = tl.dot(tl.trans(ds_tile.to(x_tile.dtype)), x_tile, da_acc, input_precision="ieee")
-        if HAS_DROPOUT:
-            da_acc = da_acc * (1.0 / (1.0 - p))  # dropout's scale, once per dA element
+            if WITH_TERM:
+                # the term's dS carries dropout's scale, as in kernel 4 (the same bits)
+                term = ds_times_a(ds_tile * inv_keep if HAS_DROPOUT else ds_tile, a_tile, SPLIT_DS)
+                if HAS_DROPOUT:
+                    term = tl.where(keep, term, 0.0)
+                tl.store(term_ptr + rows.to(tl.int64)[:, None] * stride_tm + cols[None, :],
+                         term.to(term_ptr.dtype.element_ty), mask=m_mask[:, None] & k_mask[None, :])
+        if HAS_DROPOUT and MASK_X:
+            da_acc = da_acc * inv_keep  # dropout's scale, once per dA element
         da_ptrs = da_part_ptr + item * stride_dai + offs_r[:, None] * stride_dar + cols[None, :]
         tl.store(da_ptrs, da_acc, mask=r_mask[:, None] & k_mask[None, :])
 
@@ -183,6 +204,16 @@ def split_ds(ds, dtype: tl.constexpr):
 
 
 @triton.jit
+def ds_times_a(ds, a_tile, SPLIT_DS: tl.constexpr):
+    """dS [rows, r] (fp32) times A's tile [r, cols] in fp32: dS rounded to A's dtype, or as two
+    halves of it (`split_ds`)."""
+    if SPLIT_DS:
+        ds_hi, ds_lo = split_ds(ds, a_tile.dtype)
+        return tl.dot(ds_lo, a_tile, tl.dot(ds_hi, a_tile, input_precision="ieee"), input_precision="ieee")
+    return tl.dot(ds.to(a_tile.dtype), a_tile, input_precision="ieee")
+
+
+@triton.jit
 def add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
                      dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT: tl.constexpr,
                      SPLIT_DS: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -205,12 +236,7 @@ def add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_s
                 p = tl.load(dropout_ps_ptr + slot)
                 # dropout's scale on dS ([BLOCK_M, r]) rather than on every element of the tile
                 ds_seg = ds_seg * (1.0 / (1.0 - p))
-            if SPLIT_DS:
-                ds_hi, ds_lo = split_ds(ds_seg, a_tile.dtype)
-                lora = tl.dot(ds_hi, a_tile, input_precision="ieee")
-                lora = tl.dot(ds_lo, a_tile, lora, input_precision="ieee")
-            else:
-                lora = tl.dot(ds_seg.to(a_tile.dtype), a_tile, input_precision="ieee")
+            lora = ds_times_a(ds_seg, a_tile, SPLIT_DS)
             if HAS_DROPOUT:
                 lora = tl.where(dropout_keep(seed, rows, cols, keep_threshold(p)), lora, 0.0)
             acc += lora
@@ -271,11 +297,11 @@ _dx_term_tuned = triton.autotune(
 
 
 def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device,
-               per_sm: int = 2):
-    """(rows_per_chunk, num_chunks, cols_per_split, num_splits) for kernels 3 and 5: up to 8 row
-    chunks per segment (each chunk's partial gradient costs a [cols, r] fp32 write), then column
-    splits until about `per_sm` programs per SM."""
-    num_chunks = min(8, triton.cdiv(meta.max_seg_len, block_m))
+               per_sm: int = 2, max_chunks: int = 8):
+    """(rows_per_chunk, num_chunks, cols_per_split, num_splits) for kernels 3 and 5: up to
+    `max_chunks` row chunks per segment (each chunk's partial gradient costs a [cols, r] fp32
+    write), then column splits until about `per_sm` programs per SM."""
+    num_chunks = min(max_chunks, triton.cdiv(meta.max_seg_len, block_m))
     rows_per_chunk = triton.cdiv(triton.cdiv(meta.max_seg_len, num_chunks), block_m) * block_m
     num_chunks = triton.cdiv(meta.max_seg_len, rows_per_chunk)
     max_splits = triton.cdiv(num_cols, block_cols)
@@ -315,7 +341,9 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     num_warps = num_warps or (8 if wide or max_rank > 32 else 4)
     rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device,
                                                                      per_sm)
-    ds_part = torch.zeros(num_splits, num_tokens, max_rank, dtype=torch.float32, device=dy.device)
+    # every adapter row is stored by every split; only rows without an adapter need zeros
+    alloc = torch.empty if meta.num_lora_tokens == num_tokens else torch.zeros
+    ds_part = alloc(num_splits, num_tokens, max_rank, dtype=torch.float32, device=dy.device)
     db_part = torch.empty(meta.num_segments * num_chunks, out_size, max_rank, dtype=torch.float32, device=dy.device)
     _lora_train_ds_db_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
         dy, lora_b, s, ds_part, db_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
@@ -357,18 +385,82 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
     rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
                                                                      per_sm)
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
+    # Without the term, A and the term are not read: x stands in for their pointers.
     _lora_train_da_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
-        x, ds, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+        x, ds, x, x, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
         in_size, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
-        x.stride(0), ds.stride(0), da_part.stride(0), da_part.stride(1),
+        x.stride(0), ds.stride(0), 0, 0, 0, da_part.stride(0), da_part.stride(1),
         # ptxas (sm_90, triton 3.9, bf16, dropout on): 64 x 128 x tiles spill at 4 warps (rank 16);
         # at rank 128, 64 x 64 spills at 8 warps, 32 x 64 takes 215 registers.
-        HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and x.dtype != torch.float32, BLOCK_M=block_m,
-        BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), num_warps=num_warps, num_stages=num_stages,
+        WITH_TERM=False, HAS_DROPOUT=slots.has_dropout, MASK_X=True, SPLIT_DS=split_ds and x.dtype != torch.float32,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), num_warps=num_warps, num_stages=num_stages,
     )
     da = torch.empty_like(lora_a) if da_out is None else da_out
     _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks, accumulate=da_out is not None)
     return da
+
+
+# Above this rank the one pass spills on every tile tried from 16 x 32 to 64 x 64 at 4 and 8 warps
+# (dS split in two; ptxas, sm_90, triton 3.9), so the two kernels run instead.
+MAX_TERM_DA_RANK = 64
+
+
+def term_da_tiles(max_rank: int) -> tuple[int, int, int]:
+    """`lora_train_dx_term_da_bwd`'s (BLOCK_M, BLOCK_K, num_warps) on CUDA by rank.
+
+    H200, bf16, rank 16, dropout 0.1 (benchmarks/kernels/lora_dx_term_da.py, session 14): 16 x 128
+    at 4 warps took 0.855x the two kernels' time on average over six shapes with a bf16 term and
+    0.925x with the engine's fp32 term (32 x 128: 0.896x and 0.947x; 64-row tiles and more row
+    chunks were slower). Ranks 17-64 keep sizes that compile without spills (ptxas, sm_90, triton
+    3.9): 32 x 128 spills at rank 32 on 4 warps, and 32 x 64 is the widest at rank 64."""
+    if max_rank <= 16:
+        return 16, 128, 4
+    return (32, 128, 8) if max_rank <= 32 else (32, 64, 8)
+
+
+def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
+                              slots: LoRATrainSlots, seed: int, *, out_dtype: torch.dtype | None = None,
+                              split_ds: bool = False, x_dropped: bool = False, da_out: torch.Tensor | None = None,
+                              block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                              num_stages: int = 3, per_sm: int | None = None,
+                              max_chunks: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernels 4's term and 5 in one pass: (term, dA). term [T, in] = dropout'(dS A[slot]) per
+    token in `out_dtype` (x's by default; zero rows without an adapter), for dX = dY W + term;
+    dA, `split_ds` and `da_out` as in `lora_train_da_bwd`. Each [rows, in] tile is read and
+    written once and its keep mask hashed once, where the two kernels each walk all of it.
+    `x_dropped`: x is a stored dropout output, taken as it is by dA (the term is masked still).
+    The keyword arguments override the tiles, warps, stages and programs per SM (tuning)."""
+    check_launchable(x, _lora_train_da_bwd_kernel)
+    num_tokens, in_size = x.shape
+    max_rank = lora_a.shape[1]
+    if ds.shape != (num_tokens, max_rank) or ds.stride(1) != 1 or lora_a.stride(2) != 1:
+        raise ValueError(f"dS must be [{num_tokens}, {max_rank}] with unit column stride and lora_a's rows contiguous")
+    out_dtype = out_dtype or x.dtype
+    if max_rank > MAX_TERM_DA_RANK:
+        da_slots = LoRATrainSlots(slots.scalings, torch.zeros_like(slots.dropout_ps), False) if x_dropped else slots
+        da = lora_train_da_bwd(x, ds, lora_a, meta, da_slots, seed, split_ds=split_ds, da_out=da_out)
+        return lora_train_dx_term(ds, lora_a, meta, slots, seed, out_dtype=out_dtype, split_ds=split_ds), da
+    covered = meta.num_lora_tokens == num_tokens
+    term = (torch.empty if covered else torch.zeros)(num_tokens, in_size, dtype=out_dtype, device=x.device)
+    if not meta.has_lora:
+        return term, (torch.zeros_like(lora_a) if da_out is None else da_out)
+    tiles = term_da_tiles(max_rank) if x.device.type == "cuda" else (16, 32, 4)
+    block_m, block_k, num_warps = block_m or tiles[0], block_k or tiles[1], num_warps or tiles[2]
+    per_sm = per_sm or (4 if max_rank <= 32 else 2)
+    rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
+                                                                     per_sm, max_chunks)
+    da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
+    _lora_train_da_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
+        x, ds, lora_a, term, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+        in_size, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
+        x.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0), da_part.stride(0),
+        da_part.stride(1),
+        WITH_TERM=True, HAS_DROPOUT=slots.has_dropout, MASK_X=not x_dropped,
+        SPLIT_DS=split_ds and x.dtype != torch.float32, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), num_warps=num_warps, num_stages=num_stages,
+    )
+    da = torch.empty_like(lora_a) if da_out is None else da_out
+    _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks, accumulate=da_out is not None)
+    return term, da
 
 
 def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor,

@@ -24,6 +24,8 @@ class LoRAKernelMeta:
     # [T] int32 segment of each token, -1 without an adapter: built on first use by
     # flexserve_kernels.lora_fused_train.token_segments and kept for the step's other layers
     token_segs: torch.Tensor | None = None
+    # tokens with an adapter (host side); None: unknown (a kernel writing every row zeroes first)
+    num_lora_tokens: int | None = None
 
     @property
     def num_segments(self) -> int:
@@ -69,4 +71,5 @@ class LoRAKernelMeta:
             max_seg_len=max(lens, default=0),
             decode_only=bool(lens) and max(lens) == 1,
             slots=frozenset(slots),
+            num_lora_tokens=sum(lens),
         )

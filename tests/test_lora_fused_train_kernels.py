@@ -308,6 +308,64 @@ def test_chunked_backward_with_small_blocks():
         assert_close(f"dA[{slot}]", da[slot], ds[mine].T @ dropped[mine], 1e-4)
 
 
+def test_outputs_are_not_zeroed_when_every_row_has_an_adapter(monkeypatch):
+    # Kernel 3's dS partials and the one pass's dX term start unwritten (no fill) when every row
+    # has an adapter: each split's first column tile of dS stores, the rest add; every term
+    # element is stored. Fresh buffers are poisoned with NaN here.
+    case = Case(20, 1600, 8, (8,), (0.1,), (40,), (0,))
+    x, _, lora_a, lora_b, meta, scalings = make_inputs(case)
+    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
+    g = torch.Generator().manual_seed(6)
+    s = torch.randn(40, case.max_rank, generator=g).to(DEVICE)
+    dy = torch.randn(40, case.out_size, generator=g).to(DEVICE)
+    plan = fused_bwd.chunk_plan(meta, case.out_size, 16, 16, torch.device(DEVICE), per_sm=1)
+    assert plan[2] > 16 and plan[3] > 1  # several column tiles per split, several splits
+    ds = torch.randn(40, case.max_rank, generator=g).to(DEVICE)
+    want_term = fused_bwd.lora_train_dx_term(ds, lora_a, meta, slots, 3)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
+                                                         else t)(empty(*a, **k)))
+    term, _ = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 3, out_dtype=torch.float32)
+    assert torch.equal(term, want_term)
+    ds, db = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots, block_m=16, block_n=16, per_sm=1)
+    assert_close("dS", ds, scalings[0] * dy @ lora_b[0], 1e-4)
+    assert_close("dB", db[0], scalings[0] * dy.T @ s, 1e-4)
+
+
+@pytest.mark.parametrize("split_ds", [False, True])
+@pytest.mark.parametrize("x_dropped", [False, True])
+@pytest.mark.parametrize("name", ["multi-r16.3.7-p0.1", "two-r64.5-p0.1", "single-r128-p0.1"])
+def test_dx_term_and_da_in_one_pass_match_their_kernels(name, x_dropped, split_ds):
+    # Kernels 4's term and 5 fused (one walk over the [T, in] tiles, one mask per tile) against
+    # each alone, with small blocks (several row chunks and column splits, masked tails), dA added
+    # to a buffer, rows without an adapter (zero term rows), and x taken as already dropped. Rank
+    # 128 is above MAX_TERM_DA_RANK: the two kernels run, with the same results.
+    case = CASES[name]
+    x, _, lora_a, _, meta, scalings = make_inputs(case)
+    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
+    ds = torch.randn(x.shape[0], case.max_rank, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ds[meta.token_slots < 0] = 0  # as kernel 3 leaves them
+    da_slots = fused.LoRATrainSlots.build(scalings, [0.0] * len(scalings), DEVICE) if x_dropped else slots
+    want_da = fused_bwd.lora_train_da_bwd(x, ds, lora_a, meta, da_slots, 9, block_m=16, block_k=16,
+                                          split_ds=split_ds).float()
+    want_term = fused_bwd.lora_train_dx_term(ds, lora_a, meta, slots, 9, split_ds=split_ds)
+    start = torch.randn(lora_a.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    da_out = start.clone()
+    term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 9, out_dtype=torch.float32,
+                                                   split_ds=split_ds, x_dropped=x_dropped, da_out=da_out,
+                                                   block_m=16, block_k=16)
+    assert da is da_out and term.dtype == torch.float32
+    assert torch.equal(term, want_term)  # the same arithmetic as kernel 4's term
+    assert_close("dA", da - start, want_da, 1e-4)
+    assert bool((term[meta.token_slots < 0] == 0).all())
+    # Meta built by hand without the adapter token count: the term is zeroed first all the same.
+    meta.num_lora_tokens = None
+    term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 9, out_dtype=torch.float32,
+                                                   split_ds=split_ds, x_dropped=x_dropped)
+    assert torch.equal(term, want_term)  # the same arithmetic as kernel 4's term
+    assert_close("dA", da, want_da, 1e-4)
+
+
 def test_invalid_arguments_raise_value_error():
     case = CASES["single-r1-p0"]
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
@@ -451,14 +509,21 @@ for rank in (16, 32, 128):
     bm, bn, w = (128, 256, 8) if rank <= 16 else (64, 128, 4) if rank <= 32 else (64, 64, 8)
     compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank), w, 3)
     for split_ds in (False, True):  # True: the fine-tuning engine's dS in two bf16 halves
-        compile_one(kb._lora_train_da_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=split_ds, BLOCK_M=32,
-                                                       BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank),
-                    4 if rank <= 32 else 8, 3)
+        compile_one(kb._lora_train_da_bwd_kernel,
+                    dict(WITH_TERM=False, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=32,
+                         BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank), 4 if rank <= 32 else 8, 3)
     # The engine's dX term (`lora_train_dx_term`: 32 x 128 tiles at 4 warps up to rank 64, 64 x 128
     # at 8 above; dS split in two).
     compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_BASE=False, HAS_DROPOUT=True, SPLIT_DS=True,
                                                    BLOCK_M=32 if rank <= 64 else 64, BLOCK_N=128, BLOCK_K=16,
                                                    BLOCK_R=rank, GROUP_M=4), 4 if rank <= 64 else 8, 1)
+# 4's term and 5 in one pass, with the launcher's tiles, up to the rank it takes.
+for rank in (16, 32, kb.MAX_TERM_DA_RANK):
+    for split_ds in (False, True):
+        bm, bk, w = kb.term_da_tiles(rank)
+        compile_one(kb._lora_train_da_bwd_kernel,
+                    dict(WITH_TERM=True, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=bm, BLOCK_K=bk,
+                         BLOCK_R=rank), w, 3)
 for accumulate in (False, True):
     compile_one(kb._lora_train_slot_reduce_kernel, dict(ACCUMULATE=accumulate, BLOCK=1024), 4, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.

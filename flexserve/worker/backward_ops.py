@@ -103,20 +103,24 @@ def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.T
                           seed: int, grad_a: torch.Tensor, *, x_dropped: bool,
                           want_dx: bool) -> torch.Tensor | None:
     """The backward of an adapter's shrink (and its dropout) over a window, as kernels: adds
-    dS^T dropout(x) to grad_a [r, in] (fp32, in place; `lora_train_da_bwd`, fused LoRA kernel 5)
-    and returns dL/dx's LoRA term dropout'(dS A) [n, in] fp32 (kernel 4's term) when `want_dx`.
+    dS^T dropout(x) to grad_a [r, in] (fp32, in place; fused LoRA kernel 5) and returns dL/dx's
+    LoRA term dropout'(dS A) [n, in] fp32 (kernel 4's term) when `want_dx`, both from one pass
+    over x (`lora_train_dx_term_da_bwd`).
     x [n, in] is the adapter's input before dropout, whose mask the kernels regenerate from `seed`
     (`dropout_window_seed`), or after it when `x_dropped` (a stored dropout output). dS (fp32)
     enters the 16-bit products as two 16-bit halves, as `split_bf16` does on the torch path."""
-    from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_dx_term
+    from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_dx_term_da_bwd
 
     device, n = grad_s.device, grad_s.shape[0]
     meta, grad_s = _window_meta(n, device), _rows(grad_s)
-    lora_train_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(0.0 if x_dropped else p, device),
-                      seed, split_ds=True, da_out=grad_a[None])
     if not want_dx:
+        lora_train_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(0.0 if x_dropped else p, device),
+                          seed, split_ds=True, da_out=grad_a[None])
         return None
-    return lora_train_dx_term(grad_s, lora_a[None], meta, _train_slots(p, device), seed, split_ds=True)
+    term, _ = lora_train_dx_term_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(p, device), seed,
+                                        out_dtype=torch.float32, split_ds=True, x_dropped=x_dropped,
+                                        da_out=grad_a[None])
+    return term
 
 
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""GPU benchmark of kernels 4's term and 5 in one pass (`lora_train_dx_term_da_bwd`) against the two kernels.
+
+The backward of an adapter's shrink needs dA = dS^T dropout(x) (kernel 5, `lora_train_da_bwd`) and
+dX's LoRA term dropout'(dS A) (kernel 4's term, `lora_train_dx_term`). Each walks the [tokens, in]
+tiles and hashes the same keep mask; the one pass reads x and writes the term once, with one mask.
+For each tokens x in_size shape, one adapter over all tokens, rank 16, it times both ways in the
+two forms that run: the fine-tuning engine's (fp32 term, dS as two bf16 halves) and the kernel
+benchmark's blas form (bf16 term); next to the traffic floor (a copy of x into a tensor of the
+term's size: x read once, the term written once). The one pass is also timed at a few tiles,
+warps and programs per SM. Times are GPU microseconds per call: the sum of the call's CUDA
+kernels (torch.profiler, 20 calls, L2 flushed before each), which leaves out host launch time (at
+these sizes a Python launch of a Triton kernel can take longer than the kernel itself). The one
+pass's term must equal the two kernels' bit for bit, and its dA (bf16, lora_a's dtype) must
+match theirs to one bf16 step at max |dA| (2**-7 of it): the tiles change the order of the fp32
+sums, and a sum near a rounding boundary of bf16 can land one step away.
+
+One JSON line per shape to stdout and appended to --out.
+
+    PYTHONPATH=... python benchmarks/kernels/lora_dx_term_da.py --out dx_term_da.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+SHAPES = ((2048, 4096), (4096, 4096), (8192, 4096), (4096, 5120), (4096, 8192), (4096, 14336))
+# (BLOCK_M, BLOCK_K, num_warps, programs per SM, most row chunks) tried besides the launcher's default
+VARIANTS = ((32, 128, 4, 2, 8), (32, 128, 4, 8, 8), (32, 128, 4, 4, 16), (32, 128, 4, 8, 16), (32, 128, 4, 4, 32),
+            (64, 128, 8, 4, 8), (32, 64, 4, 4, 8), (16, 128, 4, 4, 8), (16, 128, 4, 4, 16), (16, 128, 4, 8, 16))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dropout", type=float, default=0.1)
+    args = p.parse_args()
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from flexserve_kernels.lora_fused_train import LoRATrainSlots
+    from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_dx_term, lora_train_dx_term_da_bwd
+    from flexserve_kernels.lora_meta import LoRAKernelMeta
+
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # over the L2
+
+    def bench(fn, iters: int = 20) -> float:
+        fn()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                flush.zero_()
+                fn()
+            torch.cuda.synchronize()
+        # the flushes are fills; neither form launches one (every row has the adapter)
+        kernels = [e for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "Fill" not in e.key]
+        return round(sum(e.self_device_time_total for e in kernels) / iters, 2)
+    for m, k in tqdm(SHAPES, desc="dx term + dA"):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        ds = torch.randn(m, args.rank, device=device)
+        lora_a = torch.randn(1, args.rank, k, device=device, dtype=torch.bfloat16) / k ** 0.5
+        meta = LoRAKernelMeta.build([m], [0], device)
+        slots = LoRATrainSlots.build([1.0], [args.dropout], device)
+        row = dict(m=m, in_size=k, rank=args.rank, dropout=args.dropout, gpu=torch.cuda.get_device_name())
+        for dtype, name in ((torch.float32, "engine_fp32"), (torch.bfloat16, "blas_bf16")):
+            split = dtype == torch.float32  # the engine's form
+            floor = torch.empty(m, k, device=device, dtype=dtype)
+            row[f"{name}_floor_us"] = bench(lambda: floor.copy_(x))
+
+            def two_kernels():
+                da = lora_train_da_bwd(x, ds, lora_a, meta, slots, 5, split_ds=split)
+                return lora_train_dx_term(ds, lora_a, meta, slots, 5, out_dtype=dtype, split_ds=split), da
+
+            def one_pass(**tiles):
+                return lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 5, out_dtype=dtype, split_ds=split,
+                                                 **tiles)
+
+            want_term, want_da = two_kernels()
+            row[f"{name}_two_kernels_us"] = bench(two_kernels)
+            row[f"{name}_dx_term_us"] = bench(lambda: lora_train_dx_term(ds, lora_a, meta, slots, 5, out_dtype=dtype,
+                                                                         split_ds=split))
+            row[f"{name}_da_us"] = bench(lambda: lora_train_da_bwd(x, ds, lora_a, meta, slots, 5, split_ds=split))
+            for variant in ((None, None, None, None, 8),) + VARIANTS:
+                bm, bk, warps, per_sm, chunks = variant
+                tiles = dict(block_m=bm, block_k=bk, num_warps=warps, per_sm=per_sm, max_chunks=chunks)
+                term, da = one_pass(**tiles)
+                if not torch.equal(term, want_term):
+                    raise AssertionError(f"{name} {variant}: the term differs from kernel 4's")
+                err = (da.float() - want_da.float()).abs().max().item()
+                if err > 2 ** -7 * want_da.float().abs().max().item():
+                    raise AssertionError(f"{name} {variant}: dA differs from kernel 5's by {err:.3g}")
+                label = "default" if bm is None else f"{bm}x{bk}_w{warps}_sm{per_sm}_c{chunks}"
+                row[f"{name}_one_pass_{label}_us"] = bench(lambda: one_pass(**tiles))
+        line = json.dumps(row)
+        tqdm.write(line)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
