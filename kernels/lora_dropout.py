@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexserve_kernels.lora_fused_train import dropout_keep, keep_threshold
+from flexserve_kernels.lora_fused_train import dropout_keep, keep_threshold, kernel_seed
 from flexserve_kernels.lora_shrink import check_launchable
 
 
@@ -42,6 +42,6 @@ def dropout_keep_mask(seed: int, num_rows: int, num_cols: int, p: float,
         return keep
     block_m, block_n = (32, 256) if keep.is_cuda else (16, 32)
     grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
-    _dropout_keep_mask_kernel[grid](keep, num_rows, num_cols, seed, p, keep.stride(0),
+    _dropout_keep_mask_kernel[grid](keep, num_rows, num_cols, kernel_seed(seed), p, keep.stride(0),
                                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return keep

@@ -61,6 +61,15 @@ class LoRATrainSlots:
         return cls(as_tensor(scalings), as_tensor(dropout_ps), any(p > 0 for p in dropout_ps))
 
 
+def kernel_seed(seed: int) -> int:
+    """A dropout seed in [0, 2**32) as the kernels take it: the int32 with the same 32 bits.
+    Triton types an integer argument by its value (int32 below 2**31, int64 above) and compiles
+    a kernel variant per type, which `do_not_specialize` does not prevent: raw window seeds,
+    half of them 2**31 or more, compiled a second variant in the middle of a job. The kernels'
+    hash adds the seed mod 2**32, so the wrapped value gives the same bits."""
+    return seed - (1 << 32) if seed >= 1 << 31 else seed
+
+
 @triton.jit
 def keep_threshold(p):
     """The integer form of dropout probability p for `dropout_keep`: ceil(p * 2**24). The
@@ -468,14 +477,13 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     check_launchable(x, _lora_train_shrink_fwd_kernel)
     num_tokens, in_size = x.shape
     max_rank = lora_a.shape[1]
-    # One segment of every token (one adapter, the usual fine-tuning batch) writes all of S:
+    # When every token has an adapter (the usual fine-tuning batch) the kernel writes all of S:
     # no zero fill (a launch) first.
-    covered = meta.num_segments == 1 and meta.max_seg_len == num_tokens
-    s = (torch.empty if covered else torch.zeros)(num_tokens, max_rank, dtype=x.dtype, device=x.device)
+    s = (torch.empty if meta.covers_all_tokens else torch.zeros)(num_tokens, max_rank, dtype=x.dtype, device=x.device)
     if not meta.has_lora:
         return s
     cuda = x.device.type == "cuda"
-    common = (meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, in_size, max_rank, seed,
+    common = (meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, in_size, max_rank, kernel_seed(seed),
               triton.next_power_of_2(num_tokens))
     if key_table is None:
         key_table = SHRINK_KEY_TABLE

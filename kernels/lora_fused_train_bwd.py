@@ -28,6 +28,7 @@ from flexserve_kernels.lora_fused_train import (
     check_base_gemm,
     dropout_keep,
     gemm_configs,
+    kernel_seed,
     grouped_tile,
     keep_threshold,
     prune_by_rank,
@@ -342,7 +343,7 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device,
                                                                      per_sm)
     # every adapter row is stored by every split; only rows without an adapter need zeros
-    alloc = torch.empty if meta.num_lora_tokens == num_tokens else torch.zeros
+    alloc = torch.empty if meta.covers_all_tokens else torch.zeros
     ds_part = alloc(num_splits, num_tokens, max_rank, dtype=torch.float32, device=dy.device)
     db_part = torch.empty(meta.num_segments * num_chunks, out_size, max_rank, dtype=torch.float32, device=dy.device)
     _lora_train_ds_db_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
@@ -388,7 +389,7 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
     # Without the term, A and the term are not read: x stands in for their pointers.
     _lora_train_da_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
         x, ds, x, x, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-        in_size, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
+        in_size, max_rank, kernel_seed(seed), rows_per_chunk, k_per_split, num_chunks,
         x.stride(0), ds.stride(0), 0, 0, 0, da_part.stride(0), da_part.stride(1),
         # ptxas (sm_90, triton 3.9, bf16, dropout on): 64 x 128 x tiles spill at 4 warps (rank 16);
         # at rank 128, 64 x 64 spills at 8 warps, 32 x 64 takes 215 registers.
@@ -440,8 +441,7 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
         da_slots = LoRATrainSlots(slots.scalings, torch.zeros_like(slots.dropout_ps), False) if x_dropped else slots
         da = lora_train_da_bwd(x, ds, lora_a, meta, da_slots, seed, split_ds=split_ds, da_out=da_out)
         return lora_train_dx_term(ds, lora_a, meta, slots, seed, out_dtype=out_dtype, split_ds=split_ds), da
-    covered = meta.num_lora_tokens == num_tokens
-    term = (torch.empty if covered else torch.zeros)(num_tokens, in_size, dtype=out_dtype, device=x.device)
+    term = (torch.empty if meta.covers_all_tokens else torch.zeros)(num_tokens, in_size, dtype=out_dtype, device=x.device)
     if not meta.has_lora:
         return term, (torch.zeros_like(lora_a) if da_out is None else da_out)
     tiles = term_da_tiles(max_rank) if x.device.type == "cuda" else (16, 32, 4)
@@ -452,7 +452,7 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
     _lora_train_da_bwd_kernel[(meta.num_segments, num_chunks, num_splits)](
         x, ds, lora_a, term, da_part, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-        in_size, max_rank, seed, rows_per_chunk, k_per_split, num_chunks,
+        in_size, max_rank, kernel_seed(seed), rows_per_chunk, k_per_split, num_chunks,
         x.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0), da_part.stride(0),
         da_part.stride(1),
         WITH_TERM=True, HAS_DROPOUT=slots.has_dropout, MASK_X=not x_dropped,
@@ -485,7 +485,7 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
         dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None if autotune else blocks)
         return dx
     args = (dy, weight, ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-            num_tokens, in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens),
+            num_tokens, in_size, out_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
             dy.stride(0), weight.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
     has_base = base_gemm == "triton"
     if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
@@ -533,7 +533,7 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
     # dY and W are not read without HAS_BASE: dS stands in for their pointers, K = 0.
     _lora_train_dx_bwd_kernel[grid](
         ds, ds, ds, lora_a, term, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
-        slots.dropout_ps, num_tokens, in_size, 0, max_rank, seed, triton.next_power_of_2(num_tokens),
+        slots.dropout_ps, num_tokens, in_size, 0, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
         0, 0, ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0),
         HAS_BASE=False, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and lora_a.dtype != torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, BLOCK_R=rank_block(max_rank), GROUP_M=4,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flexserve_kernels.lora_fused_train import add_lora_fwd_term, grouped_tile, rank_block
+from flexserve_kernels.lora_fused_train import add_lora_fwd_term, grouped_tile, kernel_seed, rank_block
 from flexserve_kernels.lora_fused_train_bwd import add_lora_dx_term
 
 
@@ -250,8 +250,8 @@ def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks
     num_tokens, out_size = dy.shape
     in_size, max_rank = weight.shape[1], lora_a.shape[1]
     rest = (ds, lora_a, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, num_tokens,
-            in_size, out_size, max_rank, seed, triton.next_power_of_2(num_tokens), ds.stride(0), lora_a.stride(0),
-            lora_a.stride(1))
+            in_size, out_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens), ds.stride(0),
+            lora_a.stride(0), lora_a.stride(1))
     _launch(_lora_train_dx_bwd_tma_kernel, _dx_tuned, _DX_OPERANDS, (dy, weight, dx), rest, num_tokens, in_size,
             max_rank, blocks, untuned=dict(EPILOGUE_SPLIT=epilogue_split, WARP_SPECIALIZE=False),
             HAS_DROPOUT=slots.has_dropout)

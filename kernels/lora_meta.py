@@ -35,6 +35,15 @@ class LoRAKernelMeta:
     def has_lora(self) -> bool:
         return self.max_seg_len > 0
 
+    @property
+    def covers_all_tokens(self) -> bool:
+        """Every token has an adapter: a kernel writing every adapter row writes the whole
+        output, which needs no zero fill first. Without the adapter token count (a meta built
+        by hand), only one segment of every token counts."""
+        if self.num_lora_tokens is not None:
+            return self.num_lora_tokens == self.num_tokens
+        return self.num_segments == 1 and self.max_seg_len == self.num_tokens
+
     @classmethod
     def build(cls, row_lens: list[int], row_slots: list[int], device: torch.device | str) -> "LoRAKernelMeta":
         """From the rows of a flat batch: their token counts and slots (-1 for the base model).

@@ -308,6 +308,13 @@ def test_chunked_backward_with_small_blocks():
         assert_close(f"dA[{slot}]", da[slot], ds[mine].T @ dropped[mine], 1e-4)
 
 
+def test_kernel_seed_keeps_the_seed_bits_in_one_int32():
+    # Seeds of 2**31 or more would reach Triton as int64 (another compiled variant); the kernels
+    # get the int32 of the same 32 bits, which their hash adds mod 2**32 (the masks of such seeds
+    # are checked against the reference in test_shrink_applies_the_reference_dropout_mask).
+    assert [fused.kernel_seed(s) for s in (0, 5, 2**31 - 1, 2**31, 2**32 - 1)] == [0, 5, 2**31 - 1, -2**31, -1]
+
+
 def test_outputs_are_not_zeroed_when_every_row_has_an_adapter(monkeypatch):
     # Kernel 3's dS partials and the one pass's dX term start unwritten (no fill) when every row
     # has an adapter: each split's first column tile of dS stores, the rest add; every term
