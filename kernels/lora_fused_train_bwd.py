@@ -508,9 +508,10 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
                        blocks: tuple[int, int] | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Kernel 4's LoRA term alone: [T, in] = dropout'(dS A[slot]) per token (zero rows without an
     adapter), in `out_dtype`, for a caller that adds dY W itself (the fine-tuning engine adds it in
-    its dX GEMM's epilogue). `split_ds` as in `lora_train_da_bwd`. Fixed blocks (by rank unless
-    given), no autotuning: the engine calls this with every window length and must not stop to
-    tune."""
+    its dX GEMM's epilogue). `lora_train_dx_term_da_bwd` runs it with dA in one pass up to
+    MAX_TERM_DA_RANK and calls this above. `split_ds` as in `lora_train_da_bwd`. Fixed blocks (by
+    rank unless given), no autotuning: the engine calls this with every window length and must
+    not stop to tune."""
     check_launchable(ds, _lora_train_dx_bwd_kernel)
     num_tokens, in_size, max_rank = ds.shape[0], lora_a.shape[2], lora_a.shape[1]
     if ds.shape[1] != max_rank or ds.stride(1) != 1 or lora_a.stride(2) != 1:
