@@ -28,9 +28,9 @@ from flexserve_kernels.lora_fused_train import (
     check_base_gemm,
     dropout_keep,
     gemm_configs,
-    kernel_seed,
     grouped_tile,
     keep_threshold,
+    kernel_seed,
     prune_by_rank,
     rank_block,
     tile_segments,
@@ -441,7 +441,8 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
         da_slots = LoRATrainSlots(slots.scalings, torch.zeros_like(slots.dropout_ps), False) if x_dropped else slots
         da = lora_train_da_bwd(x, ds, lora_a, meta, da_slots, seed, split_ds=split_ds, da_out=da_out)
         return lora_train_dx_term(ds, lora_a, meta, slots, seed, out_dtype=out_dtype, split_ds=split_ds), da
-    term = (torch.empty if meta.covers_all_tokens else torch.zeros)(num_tokens, in_size, dtype=out_dtype, device=x.device)
+    alloc = torch.empty if meta.covers_all_tokens else torch.zeros
+    term = alloc(num_tokens, in_size, dtype=out_dtype, device=x.device)
     if not meta.has_lora:
         return term, (torch.zeros_like(lora_a) if da_out is None else da_out)
     tiles = term_da_tiles(max_rank) if x.device.type == "cuda" else (16, 32, 4)
@@ -456,7 +457,8 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
         x.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0), da_part.stride(0),
         da_part.stride(1),
         WITH_TERM=True, HAS_DROPOUT=slots.has_dropout, MASK_X=not x_dropped,
-        SPLIT_DS=split_ds and x.dtype != torch.float32, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), num_warps=num_warps, num_stages=num_stages,
+        SPLIT_DS=split_ds and x.dtype != torch.float32, BLOCK_M=block_m, BLOCK_K=block_k,
+        BLOCK_R=rank_block(max_rank), num_warps=num_warps, num_stages=num_stages,
     )
     da = torch.empty_like(lora_a) if da_out is None else da_out
     _reduce_by_slot(da_part, da, meta, rows_per_chunk, num_chunks, accumulate=da_out is not None)
