@@ -523,7 +523,7 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
         return term
     if not meta.has_lora:
         return term.zero_()
-    # H200, rank 16, fp32 term with dS split (benchmarks/kernels/lora_dx_term_sweep.py, session 13):
+    # H200, rank 16, fp32 term with dS split (session 13's sweep, now `benchmarks/kernels/lora_dx_term_da.py --term-tiles`):
     # 32 x 128 tiles at 4 warps took 30.8 us at 4096 x 4096 and 83.2 at 4096 x 14336 against 60.1
     # and 196 for 64 x 128 at 8 warps, which left one program per SM. The small tile spills above
     # rank 64 (ptxas, sm_90, triton 3.9), where 64 x 128 at 8 warps stays.

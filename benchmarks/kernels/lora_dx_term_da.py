@@ -1,4 +1,4 @@
-"""GPU benchmark of kernels 4's term and 5 in one pass (`lora_train_dx_term_da_bwd`) against the two kernels.
+"""GPU benchmark of kernel 4's LoRA term: with kernel 5 in one pass (`lora_train_dx_term_da_bwd`), and alone.
 
 The backward of an adapter's shrink needs dA = dS^T dropout(x) (kernel 5, `lora_train_da_bwd`) and
 dX's LoRA term dropout'(dS A) (kernel 4's term, `lora_train_dx_term`). Each walks the [tokens, in]
@@ -14,20 +14,29 @@ pass's term must equal the two kernels' bit for bit, and its dA (bf16, lora_a's 
 match theirs to one bf16 step at max |dA| (2**-7 of it): the tiles change the order of the fp32
 sums, and a sum near a rounding boundary of bf16 can land one step away.
 
+--term-tiles adds the tile sweep of the term alone (`lora_train_dx_term`, what runs above
+MAX_TERM_DA_RANK): every (BLOCK_M, BLOCK_N) x num_warps candidate in both forms, whose output
+must equal the default's bit for bit (the tiles change no arithmetic). Session 13 chose the
+term's tiles with this sweep under `triton.testing.do_bench` (docs/results/*-s13-dx-term-sweep-*).
+
 One JSON line per shape to stdout and appended to --out.
 
-    PYTHONPATH=... python benchmarks/kernels/lora_dx_term_da.py --out dx_term_da.jsonl
+    PYTHONPATH=... python benchmarks/kernels/lora_dx_term_da.py [--term-tiles] --out dx_term_da.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 SHAPES = ((2048, 4096), (4096, 4096), (8192, 4096), (4096, 5120), (4096, 8192), (4096, 14336))
 # (BLOCK_M, BLOCK_K, num_warps, programs per SM, most row chunks) tried besides the launcher's default
 VARIANTS = ((32, 128, 4, 2, 8), (32, 128, 4, 8, 8), (32, 128, 4, 4, 16), (32, 128, 4, 8, 16), (32, 128, 4, 4, 32),
             (64, 128, 8, 4, 8), (32, 64, 4, 4, 8), (16, 128, 4, 4, 8), (16, 128, 4, 4, 16), (16, 128, 4, 8, 16))
+# --term-tiles: the term alone at each (BLOCK_M, BLOCK_N) and warp count
+TERM_TILES = ((16, 128), (16, 256), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128), (64, 256), (128, 128))
+TERM_WARPS = (2, 4, 8)
 
 
 def main() -> None:
@@ -35,6 +44,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--term-tiles", action="store_true", help="also sweep the tiles of the term alone")
     args = p.parse_args()
 
     import torch
@@ -96,6 +106,12 @@ def main() -> None:
                     raise AssertionError(f"{name} {variant}: dA differs from kernel 5's by {err:.3g}")
                 label = "default" if bm is None else f"{bm}x{bk}_w{warps}_sm{per_sm}_c{chunks}"
                 row[f"{name}_one_pass_{label}_us"] = bench(lambda: one_pass(**tiles))
+            for (bm, bn), warps in itertools.product(TERM_TILES, TERM_WARPS) if args.term_tiles else ():
+                run = lambda: lora_train_dx_term(ds, lora_a, meta, slots, 5, out_dtype=dtype,  # noqa: E731
+                                                 split_ds=split, blocks=(bm, bn), num_warps=warps)
+                if not torch.equal(run(), want_term):
+                    raise AssertionError(f"{name}: the term at {bm} x {bn}, {warps} warps differs from the default")
+                row[f"{name}_term_{bm}x{bn}_w{warps}_us"] = bench(run)
         line = json.dumps(row)
         tqdm.write(line)
         if args.out:
