@@ -329,14 +329,37 @@ def test_outputs_are_not_zeroed_when_every_row_has_an_adapter(monkeypatch):
     assert plan[2] > 16 and plan[3] > 1  # several column tiles per split, several splits
     ds = torch.randn(40, case.max_rank, generator=g).to(DEVICE)
     want_term = fused_bwd.lora_train_dx_term(ds, lora_a, meta, slots, 3)
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: (lambda t: t.fill_(float("nan")) if t.is_floating_point()
-                                                         else t)(empty(*a, **k)))
-    term, _ = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 3, out_dtype=torch.float32)
+    want_da = fused_bwd.lora_train_da_bwd(x, ds, lora_a, meta, slots, 3)
+    poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t  # noqa: E731
+    for name in ("empty", "empty_like"):  # dA and dB too: the batch uses every slot
+        monkeypatch.setattr(torch, name, (lambda alloc: lambda *a, **k: poison(alloc(*a, **k)))(getattr(torch, name)))
+    term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 3, out_dtype=torch.float32)
     assert torch.equal(term, want_term)
+    assert_close("dA", da, want_da, 1e-4)  # the same sums, in other tiles on CUDA
     ds, db = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots, block_m=16, block_n=16, per_sm=1)
     assert_close("dS", ds, scalings[0] * dy @ lora_b[0], 1e-4)
     assert_close("dB", db[0], scalings[0] * dy.T @ s, 1e-4)
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_slots_the_batch_does_not_use_get_zero_gradients(known):
+    # dA and dB of a slot without tokens are zero (also when the meta does not say which slots it
+    # uses); slot 0 has two segments, whose partials add up, slot 1 none.
+    case = Case(37, 50, 16, (16, 3, 7), (0.1, 0.0, 0.1), (5, 4, 7, 6), (0, -1, 2, 0))
+    x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
+    if not known:
+        meta.slots = None
+    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
+    s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 4, block_m=16, block_k=16)
+    dy = torch.randn(x.shape[0], case.out_size, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ds, db = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots, block_m=16, block_n=16, per_sm=1)
+    term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 4, block_m=16, block_k=16, per_sm=1)
+    assert not bool(db[1].any()) and not bool(da[1].any())
+    for slot in (0, 2):
+        mine = meta.token_slots == slot
+        dropped = x * ref.dropout_keep_ref(4, x.shape[0], case.in_size, case.dropout_ps[slot], DEVICE)
+        assert_close(f"dB[{slot}]", db[slot], scalings[slot] * dy[mine].T @ s[mine], 1e-4)
+        assert_close(f"dA[{slot}]", da[slot], ds[mine].T @ dropped[mine] / (1 - case.dropout_ps[slot]), 1e-4)
 
 
 @pytest.mark.parametrize("split_ds", [False, True])
