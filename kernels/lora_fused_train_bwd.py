@@ -10,8 +10,9 @@ Only x and S = dropout(x) A^T are kept from the forward; the dropout mask is reg
   fine-tuning engine run): both walk the [T, in] tiles of the adapter rows with the same keep
   mask, so one walk reads x, hashes each tile's mask once, adds to dA and stores the term.
 dB and dA sum over tokens of a slot. Each program owns a chunk of rows of one segment and writes its
-partial sum; a second kernel adds a slot's partials in a fixed order. Nothing uses atomics, so
-gradients are bitwise reproducible run to run (deterministic training with no separate mode).
+partial sum; a second kernel adds a slot's partials in a fixed order (as `sum_parts` adds kernel 3's
+dS partials over its column splits). Nothing uses atomics, so gradients are bitwise reproducible run
+to run (deterministic training with no separate mode).
 The partials take num_segments x (up to 8 chunks) x (in + out) x r_max x 4 bytes: keep each
 adapter's tokens contiguous (LoRAKernelMeta merges consecutive rows of one slot into a segment);
 a batch that interleaves adapters row by row has one segment per row and that many partials.
@@ -171,11 +172,23 @@ def _lora_train_da_bwd_kernel(
         tl.store(da_ptrs, da_acc, mask=r_mask[:, None] & k_mask[None, :])
 
 
+@triton.jit
+def add_in_order(acc, ptr, stride, count, offs, mask, UNROLL: tl.constexpr):
+    """acc + ptr[i * stride + offs] for i = 0 .. count - 1, added in that order (reproducible),
+    UNROLL loads in flight at a time: a rolled loop would wait out L2's latency per term."""
+    for i0 in range(0, count, UNROLL):
+        for j in tl.static_range(UNROLL):
+            # an elementwise mask (Triton 3.9's interpreter rejects one and-ed with a scalar)
+            valid = mask & (tl.zeros_like(offs) + (i0 + j) < count)
+            acc += tl.load(ptr + (tl.full((), i0 + j, tl.int64) * stride) + offs, mask=valid, other=0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_segments", "num_chunks"])
 def _lora_train_slot_reduce_kernel(
     part_ptr, out_ptr, seg_lens_ptr, seg_slots_ptr,
     num_segments, num_chunks, rows_per_chunk, numel, stride_item, stride_slot,
-    ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr,
+    ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Grid: (slot, block of the flattened gradient). Sums the slot's chunk partials in segment
     # order (fixed: reproducible); slots without tokens get zeros. ACCUMULATE: the sum is added
@@ -187,13 +200,21 @@ def _lora_train_slot_reduce_kernel(
     for seg in range(0, num_segments):
         if tl.load(seg_slots_ptr + seg) == slot:
             num_valid = tl.minimum(tl.cdiv(tl.load(seg_lens_ptr + seg), rows_per_chunk), num_chunks)
-            for chunk in range(0, num_valid):
-                item = (seg * num_chunks + chunk).to(tl.int64)
-                acc += tl.load(part_ptr + item * stride_item + offs, mask=mask, other=0.0)
+            acc = add_in_order(acc, part_ptr + (seg * num_chunks).to(tl.int64) * stride_item, stride_item,
+                               num_valid, offs, mask, UNROLL)
     out_ptrs = out_ptr + slot.to(tl.int64) * stride_slot + offs
     if ACCUMULATE:
         acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_parts"])
+def _sum_parts_kernel(part_ptr, out_ptr, numel, num_parts, stride_part, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    # out[:numel] = part[0] + part[1] + ... in that order (kernel 3's dS over its column splits).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = add_in_order(tl.zeros((BLOCK,), dtype=tl.float32), part_ptr, stride_part, num_parts, offs, mask, UNROLL)
+    tl.store(out_ptr + offs, acc, mask=mask)
 
 
 @triton.jit
@@ -311,14 +332,27 @@ def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: in
     return rows_per_chunk, num_chunks, cols_per_split, triton.cdiv(num_cols, cols_per_split)
 
 
+# The partial-sum kernels: elements per program and partials in flight per element. 256 x 8 keeps a
+# [16, 4096] fp32 gradient's sum on 256 programs with eight loads in flight each.
+SUM_BLOCK, SUM_UNROLL = 256, 8
+
+
 def _reduce_by_slot(part: torch.Tensor, out: torch.Tensor, meta: LoRAKernelMeta, rows_per_chunk: int,
                     num_chunks: int, accumulate: bool = False) -> None:
     numel = part[0].numel()
-    block = 1024
-    _lora_train_slot_reduce_kernel[(out.shape[0], triton.cdiv(numel, block))](
+    _lora_train_slot_reduce_kernel[(out.shape[0], triton.cdiv(numel, SUM_BLOCK))](
         part, out, meta.seg_lens, meta.seg_slots, meta.num_segments, num_chunks, rows_per_chunk, numel,
-        part.stride(0), out.stride(0), ACCUMULATE=accumulate, BLOCK=block, num_warps=4,
+        part.stride(0), out.stride(0), ACCUMULATE=accumulate, BLOCK=SUM_BLOCK, UNROLL=SUM_UNROLL, num_warps=2,
     )
+
+
+def sum_parts(part: torch.Tensor) -> torch.Tensor:
+    """part [n, ...] (contiguous fp32) summed over its first dimension in index order."""
+    out = torch.empty(part.shape[1:], dtype=part.dtype, device=part.device)
+    numel = out.numel()
+    _sum_parts_kernel[(triton.cdiv(numel, SUM_BLOCK),)](part, out, numel, part.shape[0], part.stride(0),
+                                                        BLOCK=SUM_BLOCK, UNROLL=SUM_UNROLL, num_warps=2)
+    return out
 
 
 def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, meta: LoRAKernelMeta,
@@ -358,8 +392,7 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     )
     db = torch.empty_like(lora_b)
     _reduce_by_slot(db_part, db, meta, rows_per_chunk, num_chunks)
-    # torch.sum over the splits is a fixed-order reduction (no atomics).
-    return (ds_part[0] if num_splits == 1 else ds_part.sum(0)), db
+    return (ds_part[0] if num_splits == 1 else sum_parts(ds_part)), db
 
 
 def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,

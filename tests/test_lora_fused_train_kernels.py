@@ -555,7 +555,9 @@ for rank in (16, 32, kb.MAX_TERM_DA_RANK):
                     dict(WITH_TERM=True, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=bm, BLOCK_K=bk,
                          BLOCK_R=rank), w, 3)
 for accumulate in (False, True):
-    compile_one(kb._lora_train_slot_reduce_kernel, dict(ACCUMULATE=accumulate, BLOCK=1024), 4, 1)
+    compile_one(kb._lora_train_slot_reduce_kernel, dict(ACCUMULATE=accumulate, BLOCK=kb.SUM_BLOCK,
+                                                        UNROLL=kb.SUM_UNROLL), 2, 1)
+compile_one(kb._sum_parts_kernel, dict(BLOCK=kb.SUM_BLOCK, UNROLL=kb.SUM_UNROLL), 2, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
 for shapes, fn, operands, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel, kt._FWD_OPERANDS, {}),
                                     (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
