@@ -331,7 +331,7 @@ def test_outputs_are_not_zeroed_when_every_row_has_an_adapter(monkeypatch):
     want_term = fused_bwd.lora_train_dx_term(ds, lora_a, meta, slots, 3)
     want_da = fused_bwd.lora_train_da_bwd(x, ds, lora_a, meta, slots, 3)
     poison = lambda t: t.fill_(float("nan")) if t.is_floating_point() else t  # noqa: E731
-    for name in ("empty", "empty_like"):  # dA and dB too: the batch uses every slot
+    for name in ("empty", "empty_like"):  # dA's and dB's buffers too: the slot reduction writes them whole
         monkeypatch.setattr(torch, name, (lambda alloc: lambda *a, **k: poison(alloc(*a, **k)))(getattr(torch, name)))
     term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 3, out_dtype=torch.float32)
     assert torch.equal(term, want_term)
@@ -341,17 +341,16 @@ def test_outputs_are_not_zeroed_when_every_row_has_an_adapter(monkeypatch):
     assert_close("dB", db[0], scalings[0] * dy.T @ s, 1e-4)
 
 
-@pytest.mark.parametrize("known", [True, False])
-def test_slots_the_batch_does_not_use_get_zero_gradients(known):
-    # dA and dB of a slot without tokens are zero (also when the meta does not say which slots it
-    # uses); slot 0 has two segments, whose partials add up, slot 1 none.
+def test_slots_the_batch_does_not_use_get_zero_gradients(monkeypatch):
+    # dA and dB of a slot without tokens are zero though their buffers start as NaN; slot 0 has two
+    # segments, whose partials add up, slot 1 none.
     case = Case(37, 50, 16, (16, 3, 7), (0.1, 0.0, 0.1), (5, 4, 7, 6), (0, -1, 2, 0))
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
-    if not known:
-        meta.slots = None
     slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
     s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 4, block_m=16, block_k=16)
     dy = torch.randn(x.shape[0], case.out_size, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
     ds, db = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots, block_m=16, block_n=16, per_sm=1)
     term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 4, block_m=16, block_k=16, per_sm=1)
     assert not bool(db[1].any()) and not bool(da[1].any())
@@ -360,6 +359,16 @@ def test_slots_the_batch_does_not_use_get_zero_gradients(known):
         dropped = x * ref.dropout_keep_ref(4, x.shape[0], case.in_size, case.dropout_ps[slot], DEVICE)
         assert_close(f"dB[{slot}]", db[slot], scalings[slot] * dy[mine].T @ s[mine], 1e-4)
         assert_close(f"dA[{slot}]", da[slot], ds[mine].T @ dropped[mine] / (1 - case.dropout_ps[slot]), 1e-4)
+
+
+def test_sum_parts_adds_in_index_order():
+    # 19 parts: two full groups of SUM_UNROLL loads and a ragged one; 700 elements: a partial
+    # block. The same bits as adding them one after another in fp32.
+    part = torch.randn(19, 7, 100, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    want = torch.zeros(7, 100, device=DEVICE)
+    for p in part:
+        want += p
+    assert torch.equal(fused_bwd.sum_parts(part), want)
 
 
 @pytest.mark.parametrize("split_ds", [False, True])
