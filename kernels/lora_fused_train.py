@@ -385,8 +385,8 @@ def rank_block(max_rank: int) -> int:
 
 
 # Kernel 1 on CUDA (`lora_train_shrink_fwd`'s defaults): row tiles of SHRINK_BLOCK_M tokens and
-# SHRINK_BLOCK_K columns per step, split over in_size until about SHRINK_PER_SM programs per SM
-# (SHRINK_PER_SM_DROPOUT when a slot has dropout), column keys loaded from `column_keys`. H200,
+# SHRINK_BLOCK_K columns per step, split over in_size until about SHRINK_PER_SM programs per SM,
+# column keys loaded from `column_keys`. H200,
 # bf16, rank 16, one adapter, m in {2048, 4096, 8192} x in in {4096, 5120, 8192}
 # (tmp_dev/shrink_sweep.py: GPU time, x rotated out of L2; two runs agreed within 2%): 0.82x the
 # unsplit autotuned kernel's time on average at dropout 0.1 (16.4 against 19.4-21.4 us at 4096 x
@@ -394,13 +394,14 @@ def rank_block(max_rank: int) -> int:
 # tiles at 4 warps (84 registers: ~6 programs resident per SM) beat 64 rows (1.08x the unsplit
 # kernel: half the resident warps for the dropout hash, which is instruction-bound) and 16 rows
 # (1.0x); 2 programs per SM, 4 stages, 64- or 256-column steps and 2 warps were slower or equal;
-# 6 programs per SM beat 4 by 2.5% with dropout and lost 3.5% without; without the key table,
-# dropout 0.1 took 5% longer. With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS
+# 6 programs per SM beat 4 by 2.5% with dropout there and lost 3.5% without, but on the H100
+# (session 16, tmp_dev/sweep.py: GPU time, L2 flushed) 4 beat 6 at dropout 0.1 on all nine shapes
+# (0.947-0.996x, 0.970x on average; 8 and 12 per SM took 1.21x and 1.08x), so 4 it is, with
+# or without dropout; without the key table, dropout 0.1 took 5% longer. With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS
 # instructions per element (the hash, the compare, the select and the bf16 repacking for the dot).
 SHRINK_BLOCK_M = 32
 SHRINK_BLOCK_K = 128
 SHRINK_PER_SM = 4
-SHRINK_PER_SM_DROPOUT = 6
 SHRINK_NUM_STAGES = 3
 SHRINK_KEY_TABLE = True
 
@@ -468,7 +469,7 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype, zero rows for tokens without an adapter.
 
     On CUDA, in_size is split (`shrink_split_plan`) until about SHRINK_PER_SM programs per SM
-    (SHRINK_PER_SM_DROPOUT with dropout; `per_sm`), or into `num_splits` chunks; partials are
+    (`per_sm`), or into `num_splits` chunks; partials are
     summed in a fixed order by each row tile's last program (bitwise reproducible). On CPU (the
     interpreter) the default is one split. num_splits=1 without block_m/block_k on CUDA is the
     unsplit kernel as before: autotuned (SHRINK_CONFIG_SHAPES) up to rank 32. The keyword
@@ -508,7 +509,7 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
                 block_m //= 2
         block_k = block_k or (32 if x.dtype == torch.float32 else 128)
         num_splits = num_splits or 1
-    per_sm = per_sm or (SHRINK_PER_SM_DROPOUT if slots.has_dropout else SHRINK_PER_SM)
+    per_sm = per_sm or SHRINK_PER_SM
     k_per_split, num_splits = shrink_split_plan(meta, in_size, max_rank, block_m, block_k, x.device, per_sm,
                                                 num_splits)
     split = num_splits > 1

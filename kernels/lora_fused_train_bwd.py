@@ -357,7 +357,7 @@ def sum_parts(part: torch.Tensor) -> torch.Tensor:
 
 def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, meta: LoRAKernelMeta,
                          slots: LoRATrainSlots, *, block_m: int | None = None, block_n: int | None = None,
-                         num_warps: int | None = None, num_stages: int = 3, per_sm: int = 2):
+                         num_warps: int | None = None, num_stages: int = 3, per_sm: int | None = None):
     """Kernel 3: (dS [T, r_max] float32, zero rows without an adapter; dB like lora_b). The
     keyword arguments override the tiles, warps, stages and programs per SM (tuning)."""
     check_launchable(dy, _lora_train_ds_db_bwd_kernel)
@@ -369,11 +369,16 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     # kernel and its reductions): 128 x 256 at 8 warps took 19.1 us at 4096 x 4096 and 54.3 at
     # 8192 x 5120, against 24.1 and 59.6 for 64 x 128 at 4 warps, kept above rank 16.
     # (16-bit only: fp32 tiles of that size need 303 KB of shared memory, over the H200's 227 KB.)
+    # Its 3 stages of 128 x 256 dY tiles take 192 KB, one program per SM, so its grid is sized for
+    # one program per SM: at 2 (as the 64 x 128 tiles), 5120 and 8192 columns ran 160-256 programs,
+    # a second wave. H100, rank 16, dropout 0.1 (session 16, benchmarks/kernels/lora_fused_train_tiles.py,
+    # L2 flushed): 0.905-0.989x the kernel's and its sums' time there, equal at 4096 columns.
     wide = (dy.device.type == "cuda" and dy.dtype != torch.float32 and max_rank <= 16 and block_m is None
             and block_n is None)
     block_m = block_m or (16 if dy.device.type != "cuda" else (128 if wide else 64))
     block_n = block_n or (32 if dy.device.type != "cuda" else (256 if wide else 128 if max_rank <= 32 else 64))
     num_warps = num_warps or (8 if wide or max_rank > 32 else 4)
+    per_sm = per_sm or (1 if wide else 2)
     rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device,
                                                                      per_sm)
     # every adapter row is stored by every split; only rows without an adapter need zeros
@@ -452,12 +457,23 @@ def term_da_tiles(max_rank: int) -> tuple[int, int, int]:
     return (32, 128, 8) if max_rank <= 32 else (32, 64, 8)
 
 
+def term_da_chunks(meta: LoRAKernelMeta, in_size: int, block_k: int, device: torch.device, per_sm: int) -> int:
+    """The one pass's row chunks per segment (at most): 16 where that grid (segments x chunks x
+    column tiles) still fits `per_sm` programs per SM, else 8. Its small tiles keep few bytes in
+    flight per program, so programs resident on every SM are what hide the latency. H100, bf16,
+    rank 16, dropout 0.1 (session 16, benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed): with
+    4096 columns (32 tiles, 512 programs at 16 chunks) 0.908-0.958x the time of 8 chunks; with
+    5120 and 8192, where 16 chunks make 640 and 1024 programs, 1.02-1.12x."""
+    doubled = 16 * meta.num_segments * triton.cdiv(in_size, block_k)
+    return 16 if doubled <= target_programs(device, per_sm) else 8
+
+
 def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
                               slots: LoRATrainSlots, seed: int, *, out_dtype: torch.dtype | None = None,
                               split_ds: bool = False, x_dropped: bool = False, da_out: torch.Tensor | None = None,
                               block_m: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                               num_stages: int = 3, per_sm: int | None = None,
-                              max_chunks: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                              max_chunks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernels 4's term and 5 in one pass: (term, dA). term [T, in] = dropout'(dS A[slot]) per
     token in `out_dtype` (x's by default; zero rows without an adapter), for dX = dY W + term;
     dA, `split_ds` and `da_out` as in `lora_train_da_bwd`. Each [rows, in] tile is read and
@@ -481,6 +497,7 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
     tiles = term_da_tiles(max_rank) if x.device.type == "cuda" else (16, 32, 4)
     block_m, block_k, num_warps = block_m or tiles[0], block_k or tiles[1], num_warps or tiles[2]
     per_sm = per_sm or (4 if max_rank <= 32 else 2)
+    max_chunks = max_chunks or term_da_chunks(meta, in_size, block_k, x.device, per_sm)
     rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
                                                                      per_sm, max_chunks)
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)

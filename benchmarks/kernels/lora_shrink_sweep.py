@@ -36,8 +36,8 @@ CONFIGS: dict[str, dict] = {
     "default": dict(),
     "nokeys": dict(key_table=False),  # column keys mixed per tile, not loaded
     "ps2": dict(per_sm=2),
-    "ps4": dict(per_sm=4),  # the default without dropout
-    "ps6": dict(per_sm=6),  # the default with dropout
+    "ps4": dict(per_sm=4),  # the default
+    "ps6": dict(per_sm=6),  # the default with dropout before session 16
     "bm64": dict(block_m=64),
     "bm16": dict(block_m=16),
 }
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
                 if kwargs.get("num_splits") != 1 and not floor:  # the launcher's plan, for the record
                     bm = kwargs.get("block_m", fused.SHRINK_BLOCK_M)
                     bk = kwargs.get("block_k", fused.SHRINK_BLOCK_K)
-                    per_sm = kwargs.get("per_sm", fused.SHRINK_PER_SM_DROPOUT if p > 0 else fused.SHRINK_PER_SM)
+                    per_sm = kwargs.get("per_sm", fused.SHRINK_PER_SM)
                     plan = fused.shrink_split_plan(meta, in_size, args.rank, bm, bk, device, per_sm,
                                                    kwargs.get("num_splits"))
                 row = dict(m=m, in_size=in_size, rank=args.rank, dropout=p, config=name, kwargs=kwargs,
