@@ -225,12 +225,21 @@ def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
 
 def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir, one_thread):
     from flexserve.finetune.hyperparameters import Hyperparameters, LoRAHyperparameters
-    from flexserve.worker.finetune_warmup import warmup_finetune, warmup_grid
+    from flexserve.worker.finetune_warmup import WARMUP_LORA_DROPOUT, warmup_finetune, warmup_grid
 
     config, executor, info = tiny_executor(tiny_dir)
     assert executor.finetune_runner is None  # CPU: build_executor itself skips the warm-up
+    dropouts, add_job = [], executor.add_finetune_job
+
+    def recording_add_job(**kwargs):
+        dropouts.append(kwargs["hyperparameters"].lora.dropout)
+        return add_job(**kwargs)
+    executor.add_finetune_job = recording_add_job
     seconds = warmup_finetune(executor, info, config)
+    del executor.add_finetune_job
     assert seconds is not None and seconds > 0
+    # The sequences run without and with dropout: the kernels' dropout branch compiles too.
+    assert dropouts == [0.0, WARMUP_LORA_DROPOUT] and WARMUP_LORA_DROPOUT > 0
     assert executor.finetune_runner.jobs == {}  # the warm-up job is gone, and its weights
     modules = executor.lora_manager.modules
     assert all(not m.active_slots for m in modules.values())
@@ -253,3 +262,35 @@ def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir,
     assert {c.prefill[0][1] for c in grid.inference if c.prefill} == {16, 32, 64, 128}
     assert warmup_grid(8, 1024, 256, 1024, 100, 16) is None  # a budget of 8 tokens: no room
     assert warmup_grid(8192, 1024, 256, 1024, 40, 16) is None  # 40 KV blocks: no room
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_after_the_warm_up_a_dropout_job_compiles_nothing(tiny_dir):
+    # A job with LoRA dropout, started on a server that has warmed up, trains its first step
+    # without compiling a Triton kernel: each compile (0.5-1.3 s on an H200) would stall the
+    # iterations of every request co-served with it.
+    import triton
+
+    from flexserve import LLM
+    from flexserve.finetune.data import TrainingData, TrainingExample
+    from flexserve.finetune.hyperparameters import Hyperparameters
+
+    llm = LLM(tiny_dir, dtype="bfloat16", enable_lora=True, max_lora_rank=16, max_model_len=1024,
+              gpu_memory_utilization=0.3)
+    engine = llm.engine
+    g = torch.Generator().manual_seed(0)
+    examples = [TrainingExample(i + 1, torch.randint(4, 1000, (n,), generator=g).tolist(), [False] + [True] * (n - 1))
+                for i, n in enumerate((200, 333))]
+    data = TrainingData("text", examples, [], 533, 531)
+    compiled = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw.get("repr"))
+    try:
+        job = engine.add_finetune_job(data, Hyperparameters.from_dict({
+            "batch_size": 1, "n_epochs": 1, "learning_rate": 1e-4,
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.1}}))
+        while job.step_index < 1:
+            engine.step()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert job.losses, "the job trained no step"
+    assert compiled == [], compiled

@@ -10,7 +10,10 @@ SLO for 33% of requests against 95% once the kernels were compiled (docs/benchma
 on the idle executor:
 - two short fine-tuning sequences (forward windows with decode rows riding along, the layer-wise
   backward of every layer, windows of 16-multiple and other sizes), with a LoRA job on all seven
-  projections; the job, its slot's weights and its KV blocks are gone afterwards;
+  projections; the job, its slot's weights and its KV blocks are gone afterwards. The sequences
+  run twice, without and with LoRA dropout (WARMUP_LORA_DROPOUT): whether a slot has dropout is a
+  compile-time constant of the fused LoRA kernels and the mask kernel, and dropout is off by
+  default, so a job that sets it would otherwise compile those variants in its first windows;
 - prefill chunks of each query-tile size (16-128 tokens), alone and next to a decode row whose
   context spans 256-4096+ keys: every split count that decode attention picks for a mixed batch
   (a compile-time constant: 22 variants compiled during the first 30 s of a cold co-serving run).
@@ -28,6 +31,7 @@ does, its windows run flash.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -43,6 +47,9 @@ from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, Profi
 from flexserve.worker.profiler import profile_executor
 
 logger = logging.getLogger(__name__)
+
+# The second pass's dropout: any p > 0 compiles the kernels' dropout branch (p is a tensor argument).
+WARMUP_LORA_DROPOUT = 0.1
 
 
 def warmup_grid(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int,
@@ -91,10 +98,12 @@ def warmup_finetune(executor: Any, info: Any, config: Any) -> float | None:
         logger.info("fine-tuning warm-up skipped: the engine's limits leave no room for it")
         return None
     start = time.perf_counter()
-    result = profile_executor(executor, info, grid, repeats=1, warmup=0, progress=False)
+    iterations = profile_executor(executor, info, grid, repeats=1, warmup=0, progress=False).num_iterations
+    # The fine-tuning sequences again with dropout (the inference cases have nothing new to compile).
+    iterations += profile_executor(executor, info, dataclasses.replace(grid, inference=[]), repeats=1, warmup=0,
+                                   progress=False, lora_dropout=WARMUP_LORA_DROPOUT).num_iterations
     seconds = time.perf_counter() - start
-    logger.info("fine-tuning kernels warmed up in %.1f s (%d iterations)", seconds,
-                result.num_iterations)
+    logger.info("fine-tuning kernels warmed up in %.1f s (%d iterations)", seconds, iterations)
     return seconds
 
 

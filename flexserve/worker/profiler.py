@@ -232,12 +232,14 @@ def _plans_of(rows: list[ScheduledSequence], items: list[Any],
 def profile_executor(executor: Any, info: Any, grid: ProfileGrid, repeats: int = 3,
                      warmup: int = 1, progress: bool = True,
                      clock: Callable[[], float] = time.perf_counter,
-                     target_modules: list[str] | None = None) -> ProfileResult:
+                     target_modules: list[str] | None = None, lora_dropout: float = 0.0) -> ProfileResult:
     """Time the grid's iterations (and its held-out set) on `executor`, an idle `ModelRunner`
     with LoRA enabled; `info` is its `ModelInfo`. Returns per-shape medians of `repeats` times
     after `warmup`; the profiling job is removed afterwards. `clock` times an iteration: wall
     time, which is what the engine observes (`time.thread_time` measures a single-threaded CPU
-    executor without the other processes that share its cores).
+    executor without the other processes that share its cores). The profiling job trains a
+    rank-16 (or the slots' largest rank below) LoRA on `target_modules` (all seven projections by
+    default) with dropout `lora_dropout`.
 
     Everything runs in warmup + repeats rounds, each round one pass over every case and scenario
     (held-out ones too), so a burst of noise (another process, a clock change) hits one repeat of
@@ -264,7 +266,7 @@ def profile_executor(executor: Any, info: Any, grid: ProfileGrid, repeats: int =
     executor.add_finetune_job(
         job_id=PROFILE_JOB_ID, lora_slot=PROFILE_LORA_SLOT,
         hyperparameters=Hyperparameters(lora=LoRAHyperparameters(
-            r=rank, alpha=2.0 * rank,
+            r=rank, alpha=2.0 * rank, dropout=lora_dropout,
             **({} if target_modules is None else {"target_modules": list(target_modules)}))),
         num_training_steps=1, init_adapter_path=None, seed=grid.seed)
     try:
