@@ -283,6 +283,18 @@ def test_seed_changes_output_only_with_dropout():
     assert torch.equal(y[2], y[3])
 
 
+def test_term_da_chunks_rule():
+    # 16 row chunks only for the lean one pass (16-bit term, dS in one half) and only while
+    # segments x 16 x column tiles fit target_programs(device, per_sm) (8 per SM on the CPU).
+    cpu = torch.device("cpu")
+    one, two = LoRAKernelMeta.build([64], [0], "cpu"), LoRAKernelMeta.build([32, 32], [0, 1], "cpu")
+    assert fused_bwd.term_da_chunks(one, 256, 128, cpu, 4, single_dot=True) == 16  # 16 x 2 tiles = 32 programs
+    assert fused_bwd.term_da_chunks(one, 384, 128, cpu, 4, single_dot=True) == 8  # 48 > 32
+    assert fused_bwd.term_da_chunks(two, 256, 128, cpu, 4, single_dot=True) == 8  # 2 segments: 64 > 32
+    assert fused_bwd.term_da_chunks(two, 256, 128, cpu, 8, single_dot=True) == 16
+    assert fused_bwd.term_da_chunks(one, 256, 128, cpu, 4, single_dot=False) == 8  # the engine's form
+
+
 def test_chunked_backward_with_small_blocks():
     # Tiny blocks force several row chunks per segment, several column splits and masked tails.
     case = CASES["two-r64.5-p0.1"]
