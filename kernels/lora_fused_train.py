@@ -395,10 +395,11 @@ def rank_block(max_rank: int) -> int:
 # kernel: half the resident warps for the dropout hash, which is instruction-bound) and 16 rows
 # (1.0x); 2 programs per SM, 4 stages, 64- or 256-column steps and 2 warps were slower or equal;
 # 6 programs per SM beat 4 by 2.5% with dropout there and lost 3.5% without, but on the H100
-# (session 16, tmp_dev/sweep.py: GPU time, L2 flushed) 4 beat 6 at dropout 0.1 on all nine shapes
-# (0.947-0.996x, 0.970x on average; 8 and 12 per SM took 1.21x and 1.08x), so 4 it is, with
-# or without dropout; without the key table, dropout 0.1 took 5% longer. With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS
-# instructions per element (the hash, the compare, the select and the bf16 repacking for the dot).
+# (session 16, benchmarks/kernels/lora_fused_train_tiles.py: GPU time, L2 flushed) 4 beat 6 at
+# dropout 0.1 on all nine shapes (0.947-0.996x, 0.970x on average; 8 and 12 per SM took 1.21x and
+# 1.08x), so 4 it is, with or without dropout; without the key table, dropout 0.1 took 5% longer.
+# With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS instructions per element (the
+# hash, the compare, the select and the bf16 repacking for the dot).
 SHRINK_BLOCK_M = 32
 SHRINK_BLOCK_K = 128
 SHRINK_PER_SM = 4
