@@ -369,10 +369,11 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     # kernel and its reductions): 128 x 256 at 8 warps took 19.1 us at 4096 x 4096 and 54.3 at
     # 8192 x 5120, against 24.1 and 59.6 for 64 x 128 at 4 warps, kept above rank 16.
     # (16-bit only: fp32 tiles of that size need 303 KB of shared memory, over the H200's 227 KB.)
-    # Its 3 stages of 128 x 256 dY tiles take 192 KB, one program per SM, so its grid is sized for
-    # one program per SM: at 2 (as the 64 x 128 tiles), 5120 and 8192 columns ran 160-256 programs,
-    # a second wave. H100, rank 16, dropout 0.1 (session 16, benchmarks/kernels/lora_fused_train_tiles.py,
-    # L2 flushed): 0.905-0.989x the kernel's and its sums' time there, equal at 4096 columns.
+    # Its 3 stages of 128 x 256 dY tiles take 192 KB of shared memory: one program fits an SM, so
+    # its grid is sized for one program per SM. At two per SM (the smaller tiles' setting), 5120
+    # and 8192 columns ran 160-256 programs, a second wave. H100, rank 16, dropout 0.1 (session 16,
+    # benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed): one per SM took 0.905-0.989x the
+    # time of the kernel and its sums there, the same at 4096 columns.
     wide = (dy.device.type == "cuda" and dy.dtype != torch.float32 and max_rank <= 16 and block_m is None
             and block_n is None)
     block_m = block_m or (16 if dy.device.type != "cuda" else (128 if wide else 64))
