@@ -459,18 +459,20 @@ def term_da_tiles(max_rank: int) -> tuple[int, int, int]:
 
 
 def term_da_chunks(meta: LoRAKernelMeta, in_size: int, block_k: int, device: torch.device, per_sm: int,
-                   single_dot: bool) -> int:
-    """The one pass's row chunks per segment (at most): 16 where that grid (segments x chunks x
-    column tiles) still fits `per_sm` programs per SM and the kernel is its lean form (a 16-bit
-    term, dS in one 16-bit half: `single_dot`), else 8. Its small tiles keep few bytes in flight per
+                   lean: bool) -> int:
+    """The one pass's row chunks per segment (at most): 16 where the kernel is its `lean` form (a
+    16-bit term, dS in one 16-bit half) and that grid (segments x chunks x column tiles) still fits
+    `per_sm` programs per SM, else 8. Its small tiles keep few bytes in flight per
     program, so programs resident on every SM are what hide the latency. H100, rank 16, dropout 0.1
     (session 16, benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed), bf16 term: with 4096
     columns (32 tiles, 512 programs at 16 chunks) 0.908-0.958x the time of 8 chunks; with 5120 and
     8192, where 16 chunks make 640 and 1024 programs, 1.02-1.12x. The engine's form (fp32 term, dS
     in two halves: more registers, fewer programs resident) took 1.075x as long at 16 chunks
     (15.6 against 14.5 ms per 4096-token sequence of the 8B shape, all seven projections)."""
-    doubled = 16 * meta.num_segments * triton.cdiv(in_size, block_k)
-    return 16 if single_dot and doubled <= target_programs(device, per_sm) else 8
+    if not lean:  # the engine's form, on its backward's path: nothing to work out
+        return 8
+    doubled = 16 * meta.num_segments * -(-in_size // block_k)  # plain ints: triton.cdiv costs us a call
+    return 16 if doubled <= target_programs(device, per_sm) else 8
 
 
 def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
@@ -504,7 +506,7 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
     per_sm = per_sm or (4 if max_rank <= 32 else 2)
     split_ds = split_ds and x.dtype != torch.float32
     max_chunks = max_chunks or term_da_chunks(meta, in_size, block_k, x.device, per_sm,
-                                              single_dot=not split_ds and out_dtype.itemsize == 2)
+                                              lean=not split_ds and out_dtype.itemsize == 2)
     rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
                                                                      per_sm, max_chunks)
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)

@@ -288,11 +288,11 @@ def test_term_da_chunks_rule():
     # segments x 16 x column tiles fit target_programs(device, per_sm) (8 per SM on the CPU).
     cpu = torch.device("cpu")
     one, two = LoRAKernelMeta.build([64], [0], "cpu"), LoRAKernelMeta.build([32, 32], [0, 1], "cpu")
-    assert fused_bwd.term_da_chunks(one, 256, 128, cpu, 4, single_dot=True) == 16  # 16 x 2 tiles = 32 programs
-    assert fused_bwd.term_da_chunks(one, 384, 128, cpu, 4, single_dot=True) == 8  # 48 > 32
-    assert fused_bwd.term_da_chunks(two, 256, 128, cpu, 4, single_dot=True) == 8  # 2 segments: 64 > 32
-    assert fused_bwd.term_da_chunks(two, 256, 128, cpu, 8, single_dot=True) == 16
-    assert fused_bwd.term_da_chunks(one, 256, 128, cpu, 4, single_dot=False) == 8  # the engine's form
+    assert fused_bwd.term_da_chunks(one, 256, 128, cpu, 4, lean=True) == 16  # 16 x 2 tiles = 32 programs
+    assert fused_bwd.term_da_chunks(one, 384, 128, cpu, 4, lean=True) == 8  # 48 > 32
+    assert fused_bwd.term_da_chunks(two, 256, 128, cpu, 4, lean=True) == 8  # 2 segments: 64 > 32
+    assert fused_bwd.term_da_chunks(two, 256, 128, cpu, 8, lean=True) == 16
+    assert fused_bwd.term_da_chunks(one, 256, 128, cpu, 4, lean=False) == 8  # the engine's form
 
 
 def test_chunked_backward_with_small_blocks():
