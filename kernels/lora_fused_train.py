@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from flexserve_kernels.lora_fused_train_ref import HASH_COLUMN, HASH_MIX1, HASH_MIX2, HASH_TOKEN, mix32_ref
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora_meta import DropoutWindows, LoRAKernelMeta
 from flexserve_kernels.lora_shrink import check_launchable, target_programs
 
 _HASH_TOKEN = tl.constexpr(HASH_TOKEN)
@@ -113,20 +113,36 @@ def shrink_keep(row_keys, col_keys, threshold_hi):
 
 
 @triton.jit
-def _shrink_store(s_ptr, acc, first_row, p, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT: tl.constexpr):
+def _shrink_store(s_ptr, acc, first_row, scale, offs_m, offs_r, m_mask, r_mask, stride_sm,
+                  HAS_DROPOUT: tl.constexpr):
     if HAS_DROPOUT:
-        acc = acc * (1.0 / (1.0 - p))  # dropout's scale, once per S element
+        acc = acc * scale  # dropout's 1 / (1 - p) (a scalar, or per row [BLOCK_M, 1]), once per S element
     s_ptrs = s_ptr + first_row.to(tl.int64) * stride_sm + offs_m[:, None] * stride_sm + offs_r[None, :]
     tl.store(s_ptrs, acc.to(s_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def window_dropout(rows, win_bounds_ptr, win_table_ptr, num_windows, win_group, BLOCK_M: tl.constexpr):
+    """(seed, p) of each row from the dropout windows (`DropoutWindows`) of group win_group: the
+    window's entry for the rows inside it, (0, 0.0) outside every window (dropout keeps them all)."""
+    row_seeds = tl.zeros((BLOCK_M,), dtype=tl.uint32)
+    row_ps = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    entry = win_table_ptr + win_group * num_windows * 2
+    for w in range(num_windows):
+        first = tl.load(win_bounds_ptr + 2 * w)
+        inside = (rows >= first) & (rows < first + tl.load(win_bounds_ptr + 2 * w + 1))
+        row_seeds = tl.where(inside, tl.load(entry + 2 * w).to(tl.uint32, bitcast=True), row_seeds)
+        row_ps = tl.where(inside, tl.load(entry + 2 * w + 1).to(tl.float32, bitcast=True), row_ps)
+    return row_seeds, row_ps
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_windows", "win_group"])
 def _lora_train_shrink_fwd_kernel(
     x_ptr, a_ptr, s_ptr, part_ptr, count_ptr, keys_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    dropout_ps_ptr, in_size, max_rank, seed, m_bucket, k_per_split, num_splits,
-    stride_xm, stride_as, stride_ar, stride_sm, stride_ps,
-    HAS_DROPOUT: tl.constexpr, SPLIT: tl.constexpr, KEY_TABLE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    dropout_ps_ptr, win_bounds_ptr, win_table_ptr, in_size, max_rank, seed, m_bucket, k_per_split, num_splits,
+    num_windows, win_group, stride_xm, stride_as, stride_ar, stride_sm, stride_ps,
+    HAS_DROPOUT: tl.constexpr, SPLIT: tl.constexpr, KEY_TABLE: tl.constexpr, ROW_WINDOWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Grid: (segment, row tile of the segment, split of in_size when SPLIT); tiles past a
     # segment's end exit. m_bucket (next power of two of the token count) is only the autotuner's
@@ -135,13 +151,14 @@ def _lora_train_shrink_fwd_kernel(
     # on the tile's counter (count_ptr at the tile's first row); the last of the tile's num_splits
     # programs sums the partials in split order (whatever order they finished in: reproducible),
     # resets the counter to 0 for the next launch, and stores S.
+    # Dropout's seed and p come from the slot's p and the launch's seed, or with ROW_WINDOWS from
+    # the row's window (`window_dropout`: the fine-tuning engine's windows, p per window and target).
     seg = tl.program_id(0)
     pid_m = tl.program_id(1)
     seg_len = tl.load(seg_lens_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    p = tl.load(dropout_ps_ptr + slot)
     first_row = tl.load(seg_starts_ptr + seg) + pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
@@ -160,10 +177,20 @@ def _lora_train_shrink_fwd_kernel(
     # lora_a[slot] is [max_rank, in]; read as its transpose [BLOCK_K, BLOCK_R] for the dot.
     a_base = a_ptr + slot * stride_as + k_begin
     a_offs = offs_r[None, :] * stride_ar + offs_k[:, None]
+    scale = 1.0
     if HAS_DROPOUT:
-        threshold_hi = keep_threshold(p) << 8
-        # As in `dropout_keep`: seed added last, the sum cast back to 32 bits (seeds >= 2**31).
-        row_keys = mix32(((first_row + offs_m).to(tl.uint32) * _HASH_TOKEN + seed).to(tl.uint32))
+        if ROW_WINDOWS:
+            row_seeds, row_ps = window_dropout(first_row + offs_m, win_bounds_ptr, win_table_ptr, num_windows,
+                                               win_group, BLOCK_M)
+            threshold_hi = (keep_threshold(row_ps) << 8)[:, None]
+            scale = (1.0 / (1.0 - row_ps))[:, None]
+            row_keys = mix32((first_row + offs_m).to(tl.uint32) * _HASH_TOKEN + row_seeds)
+        else:
+            p = tl.load(dropout_ps_ptr + slot)
+            threshold_hi = keep_threshold(p) << 8
+            scale = 1.0 / (1.0 - p)
+            # As in `dropout_keep`: seed added last, the sum cast back to 32 bits (seeds >= 2**31).
+            row_keys = mix32(((first_row + offs_m).to(tl.uint32) * _HASH_TOKEN + seed).to(tl.uint32))
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(k_begin, k_stop, BLOCK_K):
         k_mask = offs_k < k_stop - k
@@ -195,9 +222,9 @@ def _lora_train_shrink_fwd_kernel(
                 part_ptrs += stride_ps
                 acc += tl.load(part_ptrs, mask=rm_mask, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + first_row, 0)  # ready for the next launch (cached counters)
-            _shrink_store(s_ptr, acc, first_row, p, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT)
+            _shrink_store(s_ptr, acc, first_row, scale, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT)
     else:
-        _shrink_store(s_ptr, acc, first_row, p, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT)
+        _shrink_store(s_ptr, acc, first_row, scale, offs_m, offs_r, m_mask, r_mask, stride_sm, HAS_DROPOUT)
 
 
 @triton.jit
@@ -407,11 +434,13 @@ SHRINK_NUM_STAGES = 3
 SHRINK_KEY_TABLE = True
 
 
-def shrink_warps(block_m: int, max_rank: int) -> int:
-    """Kernel 1's CUDA warps: 8 for accumulators over 4096 elements (64 rows at rank 64 up), else 4.
+def shrink_warps(block_m: int, max_rank: int, row_windows: bool = False) -> int:
+    """Kernel 1's CUDA warps: 8 for accumulators over 4096 elements (64 rows at rank 64 up), else 4;
+    with row windows (per-row seeds, thresholds and scales) already at 4096 (32 rows at rank 128).
     ptxas (sm_90, triton 3.9, bf16, dropout, 128-column steps): 32 rows at 4 warps take 84 registers
-    at rank 16 and 132 at 128, where 8 warps spill; 64 rows at rank 128 take 179 at 8 warps."""
-    return 8 if block_m * rank_block(max_rank) > 4096 else 4
+    at rank 16 and 132 at 128, where 8 warps spill; 64 rows at rank 128 take 179 at 8 warps; with row
+    windows, 32 rows at rank 128 spill 32 bytes at 4 warps."""
+    return 8 if block_m * rank_block(max_rank) > (2048 if row_windows else 4096) else 4
 
 
 def shrink_split_plan(meta: LoRAKernelMeta, in_size: int, max_rank: int, block_m: int, block_k: int,
@@ -463,11 +492,27 @@ def column_keys(device: torch.device, in_size: int) -> torch.Tensor:
     return keys
 
 
-def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
+def lora_window_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, windows: DropoutWindows,
+                           group: int) -> torch.Tensor:
+    """Kernel 1 with each row's dropout from its window (`DropoutWindows`, group `group`): S [T, r_max]
+    float32 = dropout(x) A[slot]^T, zero rows for tokens without an adapter; rows outside every
+    window without dropout. The fine-tuning engine's forward: inference rows and every job's window
+    in one launch, the masks regenerated in registers (never written), S in float32 as
+    `lora_ops.lora_shrink` gives it."""
+    if not 0 <= group < windows.num_groups:
+        raise ValueError(f"group {group} is out of range [0, {windows.num_groups})")
+    return lora_train_shrink_fwd(x, lora_a, meta, None, 0, windows=(windows, group), out_dtype=torch.float32)
+
+
+def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots | None,
                           seed: int, *, block_m: int | None = None, block_k: int | None = None,
                           num_splits: int | None = None, per_sm: int | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None, key_table: bool | None = None) -> torch.Tensor:
-    """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype, zero rows for tokens without an adapter.
+                          num_stages: int | None = None, key_table: bool | None = None,
+                          windows: tuple[DropoutWindows, int] | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype (or out_dtype), zero rows for tokens
+    without an adapter. Dropout is each slot's p (`slots`) under `seed`, or with `windows` (a
+    `DropoutWindows` and its group; slots and seed are then not read) each row's window's.
 
     On CUDA, in_size is split (`shrink_split_plan`) until about SHRINK_PER_SM programs per SM
     (`per_sm`), or into `num_splits` chunks; partials are
@@ -481,23 +526,32 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     max_rank = lora_a.shape[1]
     # When every token has an adapter (the usual fine-tuning batch) the kernel writes all of S:
     # no zero fill (a launch) first.
-    s = (torch.empty if meta.covers_all_tokens else torch.zeros)(num_tokens, max_rank, dtype=x.dtype, device=x.device)
+    s = (torch.empty if meta.covers_all_tokens else torch.zeros)(num_tokens, max_rank, dtype=out_dtype or x.dtype,
+                                                                  device=x.device)
     if not meta.has_lora:
         return s
     cuda = x.device.type == "cuda"
-    common = (meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, in_size, max_rank, kernel_seed(seed),
-              triton.next_power_of_2(num_tokens))
+    if windows is None:
+        dropout_ps, has_dropout = slots.dropout_ps, slots.has_dropout
+        win_bounds = win_table = s  # not read
+        num_windows = group = 0
+    else:
+        dropout_ps, seed = s, 0  # not read
+        win, group = windows
+        has_dropout, win_bounds, win_table, num_windows = win.has_dropout, win.bounds, win.table, win.num_windows
+    common = (meta.seg_starts, meta.seg_lens, meta.seg_slots, dropout_ps, win_bounds, win_table, in_size, max_rank,
+              kernel_seed(seed), triton.next_power_of_2(num_tokens))
     if key_table is None:
         key_table = SHRINK_KEY_TABLE
-    key_table = key_table and slots.has_dropout
+    key_table = key_table and has_dropout
     keys = column_keys(x.device, in_size) if key_table else s  # not read without
+    flags = dict(HAS_DROPOUT=has_dropout, KEY_TABLE=key_table, ROW_WINDOWS=windows is not None)
     if num_splits == 1 and block_m is None and block_k is None and cuda and max_rank <= 32:
         # The unsplit kernel, autotuned (before split-K; kept for comparison).
         grid = lambda c: (meta.num_segments, triton.cdiv(meta.max_seg_len, c["BLOCK_M"]))  # noqa: E731
-        _shrink_tuned[grid](x, lora_a, s, s, s, keys, *common, in_size, 1,
+        _shrink_tuned[grid](x, lora_a, s, s, s, keys, *common, in_size, 1, num_windows, group,
                             x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), 0,
-                            HAS_DROPOUT=slots.has_dropout, SPLIT=False, KEY_TABLE=key_table,
-                            BLOCK_R=rank_block(max_rank))
+                            SPLIT=False, BLOCK_R=rank_block(max_rank), **flags)
         return s
     if cuda:
         block_m = block_m or SHRINK_BLOCK_M
@@ -521,11 +575,10 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
         part = counters = s  # not read
     grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_splits)
     _lora_train_shrink_fwd_kernel[grid](
-        x, lora_a, s, part, counters, keys, *common, k_per_split, num_splits,
+        x, lora_a, s, part, counters, keys, *common, k_per_split, num_splits, num_windows, group,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), part.stride(0) if split else 0,
-        HAS_DROPOUT=slots.has_dropout, SPLIT=split, KEY_TABLE=key_table, BLOCK_M=block_m,
-        BLOCK_R=rank_block(max_rank), BLOCK_K=block_k,
-        num_warps=num_warps or shrink_warps(block_m, max_rank), num_stages=num_stages or SHRINK_NUM_STAGES,
+        SPLIT=split, BLOCK_M=block_m, BLOCK_R=rank_block(max_rank), BLOCK_K=block_k, **flags,
+        num_warps=num_warps or shrink_warps(block_m, max_rank, windows is not None), num_stages=num_stages or SHRINK_NUM_STAGES,
     )
     return s
 

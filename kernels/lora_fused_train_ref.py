@@ -92,3 +92,20 @@ def lora_train_shrink_ref(
             xs = xs * dropout_keep_ref(seed, x.shape[0], x.shape[1], p, x.device)[rows] / (1.0 - p)
         s[rows] = xs @ lora_a[slot].float().T
     return s
+
+
+def lora_window_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, meta, windows, group: int) -> torch.Tensor:
+    """`lora_window_shrink_fwd`'s reference: s [T, r_max] float32 = dropout(x) A[slot]^T per segment of
+    meta (a `LoRAKernelMeta`), each row of a window of `windows` (a `DropoutWindows`) with that
+    window's (seed, p) of `group`, other rows without dropout; zero rows for tokens without an adapter."""
+    xs = x.to(torch.float32, copy=True)  # x itself stays as it is
+    table = windows.table[group].tolist()
+    for (first, count), (shifted, p_bits) in zip(windows.bounds.tolist(), table):
+        p = float(torch.tensor(p_bits, dtype=torch.int32).view(torch.float32))
+        if p > 0 and count > 0:
+            keep = dropout_keep_ref(row_seed(shifted & _MASK32, first), count, x.shape[1], p, x.device)
+            xs[first:first + count] = xs[first:first + count] * keep / (1.0 - p)
+    s = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for start, length, slot in zip(meta.seg_starts.tolist(), meta.seg_lens.tolist(), meta.seg_slots.tolist()):
+        s[start:start + length] = xs[start:start + length] @ lora_a[slot].float().T
+    return s

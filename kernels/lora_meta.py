@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from flexserve_kernels.lora_fused_train_ref import HASH_TOKEN
 
 
 @dataclass(slots=True)
@@ -82,3 +85,60 @@ class LoRAKernelMeta:
             slots=frozenset(slots),
             num_lora_tokens=sum(lens),
         )
+
+
+@dataclass(slots=True)
+class DropoutWindows:
+    """Row ranges of a batch whose LoRA dropout has its own seed and p, one (seed, p) per window
+    and group, for kernel 1's row-window form (`lora_window_shrink_fwd`). The fine-tuning engine's
+    windows: a window's mask hashes (sequence seed, layer, target, position), so each (layer,
+    target) is a group. Rows outside every window get no dropout. On the device, in one int32
+    tensor (one copy to build)."""
+
+    bounds: torch.Tensor  # [W, 2] int32: each window's first row and row count
+    # [G, W, 2] int32: per group and window, the seed under which batch row t hashes as
+    # t * HASH_TOKEN + seed (mod 2**32) and p's float32 bits
+    table: torch.Tensor
+    has_dropout: bool  # some window has p > 0 in some group (host side: picks the dropout branch)
+
+    @property
+    def num_windows(self) -> int:
+        return int(self.bounds.shape[0])
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.table.shape[0])
+
+    @classmethod
+    def build(cls, bounds: list[tuple[int, int]], seeds, ps, device: torch.device | str) -> "DropoutWindows":
+        """bounds: (first row, row count) of each window, disjoint; seeds and ps: [G, W] (array-likes),
+        the seed in [0, 2**32) under which the window's first row hashes as row 0 (as
+        `dropout_keep_ref` takes it: `row_seed` shifts it to positions) and p in [0, 1)."""
+        seeds = np.asarray(seeds, dtype=np.int64)
+        if len(bounds) < 1 or seeds.size < 1:
+            raise ValueError("dropout windows need at least one window and one group")
+        firsts = np.array([b[0] for b in bounds], dtype=np.int64)
+        counts = np.array([b[1] for b in bounds], dtype=np.int64)
+        seeds = seeds.reshape(-1, len(bounds))
+        ps = np.asarray(ps, dtype=np.float32).reshape(seeds.shape)
+        if (firsts < 0).any() or (counts < 0).any():
+            raise ValueError(f"window bounds must be non-negative, got {bounds}")
+        order = np.argsort(firsts)
+        if (firsts[order][1:] < (firsts + counts)[order][:-1]).any():
+            raise ValueError(f"dropout windows overlap: {bounds}")
+        if (seeds < 0).any() or (seeds >= 2**32).any():
+            raise ValueError("window seeds must be in [0, 2**32)")
+        if (ps < 0).any() or (ps >= 1).any():
+            raise ValueError("dropout probabilities must be in [0, 1)")
+        shifted = ((seeds - firsts * HASH_TOKEN) % 2**32).astype(np.uint32).view(np.int32)
+        table = np.stack([shifted, ps.view(np.int32)], axis=-1)
+        packed = torch.from_numpy(np.concatenate([np.stack([firsts, counts], -1).astype(np.int32).ravel(),
+                                                  table.ravel()]))
+        if torch.device(device).type == "cuda":
+            # pinned, so the copy does not wait for the stream's queued work (a pageable one does)
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        num_windows = len(bounds)
+        return cls(packed[:2 * num_windows].view(num_windows, 2), packed[2 * num_windows:].view(*table.shape),
+                   bool((ps > 0).any()))

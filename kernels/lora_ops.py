@@ -11,7 +11,7 @@ import torch
 
 from flexserve_kernels import cuda_ext
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora_meta import DropoutWindows, LoRAKernelMeta
 from flexserve_kernels.lora_ref import check_expand_args, check_shrink_args, lora_expand_ref, lora_shrink_ref
 
 VARIANTS = ("sgmv", "bgmv")
@@ -20,6 +20,8 @@ VARIANTS = ("sgmv", "bgmv")
 # adapter BGMV takes 11-15 us per shrink+expand and SGMV 49-50 us; at 2048 prefill tokens SGMV
 # takes 48-59 us and BGMV 76-341 us. The crossover lies between; 64 is the measured safe side.
 BGMV_MAX_TOKENS = 64
+# The widest slot `lora_window_shrink` takes (fused LoRA kernel 1's accumulator: 128 columns).
+MAX_WINDOW_RANK = 128
 
 
 def lora_shrink(
@@ -53,6 +55,25 @@ def lora_shrink(
     if chosen == "bgmv":
         return kernels.lora_shrink_bgmv(x, lora_a, meta)
     return kernels.lora_shrink_sgmv(x, lora_a, meta)
+
+
+def lora_window_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, windows: DropoutWindows, group: int
+) -> torch.Tensor:
+    """`lora_shrink` with LoRA dropout on the rows of `windows` (each window's seed and p in `group`;
+    other rows without): s float32 [T, max_rank] = dropout(x) @ lora_a[slot].T. The masks are never
+    written: on Triton, fused LoRA kernel 1 regenerates them in registers while it streams x once
+    (`lora_fused_train.lora_window_shrink_fwd`); elsewhere the reference builds them."""
+    check_shrink_args(x, lora_a, meta)
+    if lora_a.shape[1] > MAX_WINDOW_RANK:
+        raise ValueError(f"the dropout shrink takes ranks up to {MAX_WINDOW_RANK}, got {lora_a.shape[1]}")
+    if use_triton(x.device):
+        from flexserve_kernels.lora_fused_train import lora_window_shrink_fwd
+
+        return lora_window_shrink_fwd(x, lora_a, meta, windows, group)
+    from flexserve_kernels.lora_fused_train_ref import lora_window_shrink_ref
+
+    return lora_window_shrink_ref(x, lora_a, meta, windows, group)
 
 
 def lora_expand(

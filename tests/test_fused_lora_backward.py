@@ -14,8 +14,8 @@ import pytest
 import torch
 from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
 
-(kd, kb) = import_kernels(("flexserve_kernels.lora_dropout", "flexserve_kernels.lora_fused_train_bwd"),
-                          interpret=not torch.cuda.is_available())
+(kf, kd, kb) = import_kernels(("flexserve_kernels.lora_fused_train", "flexserve_kernels.lora_dropout",
+                               "flexserve_kernels.lora_fused_train_bwd"), interpret=not torch.cuda.is_available())
 
 from flexserve.worker import backward_ops  # noqa: E402
 from flexserve.worker.activation_store import dropout_keep_mask, dropout_window_seed  # noqa: E402
@@ -102,6 +102,71 @@ def test_lora_a_backward(dtype, p, n, width, rank):
     assert torch.equal(term2, term)
     assert backward_ops.fused_lora_a_backward(grad_s, x, lora_a, p, seed, grad_a, x_dropped=False,
                                               want_dx=False) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_engine_forward_shrink_is_the_masked_shrink(tiny_config, monkeypatch, dtype):
+    # A fine-tuning step's LoRA shrink (`FinetuneCapture.lora_shrink`: one `lora_window_shrink`, fused
+    # kernel 1 hashing every window's mask in registers where Triton runs) against dropout applied
+    # as a tensor (`lora_input`: the masks the backward regenerates) before the plain shrink. Two
+    # jobs with their own seeds and p, dropping out different targets; their windows at positions
+    # past 0 and at flat offsets, with an inference adapter's rows and base rows around them.
+    from types import SimpleNamespace
+
+    from flexserve.peft.graph_pruning import plan_pruning
+    from flexserve.peft.layer_graph import build_layer_graph
+    from flexserve.worker.activation_store import ActivationStore, FinetuneCapture
+    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora_ref import lora_shrink_ref
+
+    if INTERPRETED:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the capture's ops take Triton (interpreted)
+    config = tiny_config("llama", num_hidden_layers=3)
+    stores = []
+    for targets, p, seed in ((("q_proj", "down_proj"), 0.3, 41), (("q_proj", "v_proj"), 0.1, 2**32 - 9)):
+        graph = build_layer_graph(config, dict.fromkeys(targets, "lora"), rank=8, dropout=p)
+        stores.append(ActivationStore(graph, plan_pruning(graph, 4), 3, 64, dtype, DEVICE, lora_dropout=p,
+                                      dropout_seed=seed))
+    for store, first in zip(stores, (9, 5)):
+        store.begin_window(0, first)  # earlier windows: this step's start past 0
+    capture = FinetuneCapture()
+    capture.add_window(stores[0], 4, 9, 13, 1)  # flat rows 4-16, positions 9-21, slot 1
+    capture.add_window(stores[1], 20, 5, 11, 2)  # flat rows 20-30, positions 5-15, slot 2
+    meta = LoRAKernelMeta.build([4, 13, 3, 11, 2], [0, 1, -1, 2, 0], DEVICE)
+    checked = 0
+    for target, width in (("q_proj", config.hidden_size), ("v_proj", config.hidden_size),
+                          ("down_proj", config.intermediate_size), ("o_proj", config.hidden_size)):
+        x = randn(meta.num_tokens, width, dtype=dtype, seed=width)
+        module = SimpleNamespace(target=target, layer_idx=2, max_rank=8,
+                                 lora_a=randn(3, 8, width, dtype=dtype, seed=3, scale=width**-0.5))
+        got = capture.lora_shrink(module, x, meta)
+        want = lora_shrink_ref(capture.lora_input(module, x), module.lora_a, meta)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert_close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
+        plain = lora_shrink_ref(x, module.lora_a, meta)
+        dropped = target in ("q_proj", "down_proj"), target in ("q_proj", "v_proj")  # job 1's rows, job 2's
+        for rows, drops in zip((slice(4, 17), slice(20, 31)), dropped):
+            differs = (got[rows] - plain[rows]).abs().max() > 0.05 * plain[rows].abs().max()
+            assert bool(differs) == drops, (target, rows)
+        assert_close(got[:4], plain[:4], 1e-5 if dtype == torch.float32 else 1e-2)  # inference rows
+        checked += 1
+    assert checked == 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_rematerialized_dropout_shrink(dtype, p):
+    # The backward's S of a dropout output it does not keep (`fused_lora_dropout_shrink`: kernel 1,
+    # the mask hashed from the window's seed) against the torch path: dropout as a tensor, then A.
+    n, width, rank = 37, 72, 8
+    x, lora_a = randn(n, width, dtype=dtype, seed=9), randn(rank, width, dtype=dtype, seed=10, scale=0.2)
+    seed = dropout_window_seed(17, 2, "up_proj", 300)
+    keep = dropout_keep_mask(17, 2, "up_proj", 300, n, width, p, DEVICE)
+    want = (x.float() * keep / (1 - p)) @ lora_a.float().T
+    got = backward_ops.fused_lora_dropout_shrink(x, lora_a, p, seed)
+    assert got.dtype == torch.float32 and got.shape == (n, rank)
+    assert_close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(backward_ops.fused_lora_dropout_shrink(x, lora_a, p, seed), got)
 
 
 def test_reproducible():

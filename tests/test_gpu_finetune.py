@@ -135,10 +135,10 @@ def test_gpu_bf16_finetuning_fused_path_is_as_accurate_as_torch_path(
 
 def test_gpu_dropout_fused_lora_kernels_equal_torch_path(tiny_config, tiny_checkpoint, tmp_path,
                                                          monkeypatch):
-    """LoRA dropout 0.3 in fp32 on CUDA: the fused path (masks from the Triton mask kernel, LoRA
-    A's backward as fused LoRA kernels 5 and 4's term regenerating them in registers) trains the
-    same adapter as the torch path (FLEXSERVE_KERNELS=torch: the masks' torch reference and torch
-    ops), which the CPU tests check against HF + PEFT. Only summation orders differ: relative
+    """LoRA dropout 0.3 in fp32 on CUDA: the fused path (the masks hashed in registers by fused LoRA
+    kernel 1 in the forward's and the rematerialized shrinks, and by kernels 5 and 4's term in LoRA
+    A's backward) trains the same adapter as the torch path (FLEXSERVE_KERNELS=torch: the masks'
+    torch reference and torch ops), which the CPU tests check against HF + PEFT. Only summation orders differ: relative
     difference of the weight change <= 1e-5."""
     from safetensors.torch import load_file
 

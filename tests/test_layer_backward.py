@@ -368,6 +368,9 @@ TINY_CASES = {
                                    "budget", [26, 43]),
     "all-dropout-bitmask": (dict(r=8, lora_alpha=16, lora_dropout=0.3, target_modules=ALL),
                             "pruned", [31, 66]),
+    # every LoRA shrink rematerialized from the dropout's input (`lora_dropout_shrink`)
+    "all-dropout-minimal-plan": (dict(r=8, lora_alpha=16, lora_dropout=0.3, target_modules=ALL),
+                                 "minimal", [29, 47]),
     "all-everything-stored": (dict(r=16, lora_alpha=8, target_modules=ALL), "everything",
                               [28, 45]),
 }

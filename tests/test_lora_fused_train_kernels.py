@@ -27,7 +27,7 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora_meta import DropoutWindows, LoRAKernelMeta
 
 _KERNEL_MODULES = ("flexserve_kernels.lora_fused_train_ref", "flexserve_kernels.lora_fused_train",
                    "flexserve_kernels.lora_fused_train_bwd")
@@ -248,6 +248,96 @@ def test_split_plan_rule():
     rows = LoRAKernelMeta.build([40] + [1] * 20, [0] + [1, 2] * 10, "cpu")  # 23 tiles (24 counted)
     assert fused.shrink_split_plan(rows, 4096, 16, 16, 128, cpu, 4) == (4096, 1)
     assert fused.shrink_split_plan(rows, 4096, 16, 16, 128, cpu, 8) == (2048, 2)
+
+
+# Kernel 1's row windows (the fine-tuning engine's forward): segments of slots 0, 1, 2 with base rows
+# between; window 0 covers part of slot 0's segment (rows 2-11), window 1 all of slot 1's (15-24)
+# and window 2 base rows and the start of slot 2's segment (25-30). Three groups (the engine's
+# (layer, target) pairs), each with its own seeds (one of 2**31 or more) and p (0 in some).
+WINDOW_ROWS, WINDOW_SLOTS = [12, 3, 10, 2, 9], [0, -1, 1, -1, 2]
+WINDOW_BOUNDS = [(2, 10), (15, 10), (25, 6)]
+WINDOW_SEEDS = [[11, 2**32 - 7, 5], [2**31 + 3, 12, 13], [21, 22, 23]]
+WINDOW_PS = [[0.1, 0.5, 0.25], [0.0, 0.3, 1 - 2**-24], [0.2, 0.0, 0.0]]
+
+
+def window_shrink(x, lora_a, meta, windows, group, **kwargs):
+    """`lora_window_shrink_fwd`, or with launcher keywords (tiles, splits) the launcher it calls."""
+    if not kwargs:
+        return fused.lora_window_shrink_fwd(x, lora_a, meta, windows, group)
+    return fused.lora_train_shrink_fwd(x, lora_a, meta, None, 0, windows=(windows, group), out_dtype=torch.float32,
+                                       **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(block_m=16, block_k=16, num_splits=3),
+                                    dict(block_m=16, block_k=16, num_splits=1, key_table=False)])
+def test_window_shrink_applies_each_windows_mask(kwargs):
+    # A = identity makes S = dropout(x) itself: every window's rows carry the reference mask of its
+    # own seed and p in the group, with the window's first row hashed as row 0; rows outside the
+    # windows keep x; base rows are zero.
+    in_size = 40
+    g = torch.Generator().manual_seed(4)
+    meta = LoRAKernelMeta.build(WINDOW_ROWS, WINDOW_SLOTS, DEVICE)
+    x = torch.randn(meta.num_tokens, in_size, generator=g).to(DEVICE)
+    lora_a = torch.eye(in_size).repeat(3, 1, 1).to(DEVICE)
+    windows = DropoutWindows.build(WINDOW_BOUNDS, WINDOW_SEEDS, WINDOW_PS, DEVICE)
+    assert windows.num_windows == 3 and windows.num_groups == 3 and windows.has_dropout
+    base = meta.token_slots < 0
+    for group in range(3):
+        s = window_shrink(x, lora_a, meta, windows, group, **kwargs)
+        assert s.dtype == torch.float32 and s.shape == (meta.num_tokens, in_size)
+        want = x.clone()
+        for (first, count), seed, p in zip(WINDOW_BOUNDS, WINDOW_SEEDS[group], WINDOW_PS[group]):
+            keep = ref.dropout_keep_ref(seed, count, in_size, p, DEVICE)
+            want[first:first + count] = x[first:first + count] * keep / (1 - p)
+            if 0 < p < 0.9:
+                assert 0 < int((~keep).sum()) < keep.numel()
+        want[base] = 0
+        torch.testing.assert_close(s, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s, ref.lora_window_shrink_ref(x, lora_a, meta, windows, group), rtol=1e-6,
+                                   atol=1e-6)
+    assert not bool(fused.shrink_counters(x.device, x.shape[0]).any())
+
+
+def test_window_shrink_ranks_and_no_dropout():
+    # Real adapters (ranks 16, 5 and 1 in slots of 16) against the reference; with every p 0 the
+    # windows change nothing: S is the plain shrink (`lora_shrink_ref`).
+    from flexserve_kernels.lora_ref import lora_shrink_ref
+
+    in_size, max_rank = 72, 16
+    g = torch.Generator().manual_seed(6)
+    meta = LoRAKernelMeta.build(WINDOW_ROWS, WINDOW_SLOTS, DEVICE)
+    x = torch.randn(meta.num_tokens, in_size, generator=g).to(DEVICE)
+    lora_a = torch.zeros(3, max_rank, in_size)
+    for slot, rank in enumerate((16, 5, 1)):
+        lora_a[slot, :rank] = torch.randn(rank, in_size, generator=g) / in_size**0.5
+    lora_a = lora_a.to(DEVICE)
+    windows = DropoutWindows.build(WINDOW_BOUNDS, WINDOW_SEEDS, WINDOW_PS, DEVICE)
+    for group in range(3):
+        for kwargs in ({}, dict(block_m=16, block_k=16, num_splits=2)):
+            s = window_shrink(x, lora_a, meta, windows, group, **kwargs)
+            assert_close(f"S group {group} {kwargs}", s, ref.lora_window_shrink_ref(x, lora_a, meta, windows, group),
+                         1e-5)
+    none = DropoutWindows.build(WINDOW_BOUNDS, WINDOW_SEEDS, [[0.0] * 3] * 3, DEVICE)
+    assert not none.has_dropout
+    assert_close("S without dropout", window_shrink(x, lora_a, meta, none, 1), lora_shrink_ref(x, lora_a, meta), 1e-5)
+
+
+def test_dropout_windows_bad_input():
+    with pytest.raises(ValueError, match="overlap"):
+        DropoutWindows.build([(0, 5), (4, 3)], [[1, 2]], [[0.1, 0.1]], "cpu")
+    with pytest.raises(ValueError, match="probabilities"):
+        DropoutWindows.build([(0, 5)], [[1]], [[1.0]], "cpu")
+    with pytest.raises(ValueError, match="seeds"):
+        DropoutWindows.build([(0, 5)], [[2**32]], [[0.1]], "cpu")
+    with pytest.raises(ValueError, match="non-negative"):
+        DropoutWindows.build([(-1, 5)], [[1]], [[0.1]], "cpu")
+    with pytest.raises(ValueError, match="at least one"):
+        DropoutWindows.build([], [], [], "cpu")
+    windows = DropoutWindows.build([(0, 5)], [[1], [2]], [[0.1], [0.2]], DEVICE)
+    meta = LoRAKernelMeta.build([5], [0], DEVICE)
+    x, lora_a = torch.randn(5, 8).to(DEVICE), torch.randn(1, 4, 8).to(DEVICE)
+    with pytest.raises(ValueError, match="group 2"):
+        fused.lora_window_shrink_fwd(x, lora_a, meta, windows, 2)
 
 
 def test_reference_mask_keeps_one_minus_p_and_depends_on_seed():
@@ -497,9 +587,9 @@ from flexserve_kernels import lora_fused_train_bwd as kb
 from flexserve_kernels import lora_fused_train_tma as kt
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
-I32 = {"count_ptr", "keys_ptr"}  # kernel 1's split counters and column keys
+I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr"}  # kernel 1's counters, keys, windows
 
-def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False):
+def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False, fp32=()):
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -510,11 +600,11 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, strea
             sig[name] = f"tensordesc<bf16[{rows}, {cols}]>"
             continue
         if name.endswith("_ptr"):
-            sig[name] = "*fp32" if name in FP32 else "*i32" if "seg" in name or name in I32 else "*bf16"
+            sig[name] = "*fp32" if name in FP32 or name in fp32 else "*i32" if "seg" in name or name in I32 else "*bf16"
         else:
             sig[name] = "i32"
         # 16-aligned pointers, sizes and strides (Llama's)
-        if name not in ("seed", "max_rank", "num_programs", "num_splits"):
+        if name not in ("seed", "max_rank", "num_programs", "num_splits", "num_windows", "win_group"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=target,
                             options={"num_warps": num_warps, "num_stages": num_stages})
@@ -539,22 +629,27 @@ for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kern
             compile_one(fn, dict(c.kwargs, BLOCK_R=rank, HAS_BASE=False, **extra), c.num_warps, c.num_stages)
 # Kernel 1 as the launcher runs it on CUDA, by rank: split over in_size and not (the split
 # count is a runtime argument), column keys loaded or mixed in the kernel, and without dropout;
-# x streamed through cp.async.
-for rank in (16, 32, 128):
+# and the engine's form (each row's dropout from its window, S in fp32); x streamed through cp.async.
+for rank in (16, 32, 64, 128):
     warps = kf.shrink_warps(kf.SHRINK_BLOCK_M, rank)
+    tiles = dict(BLOCK_M=kf.SHRINK_BLOCK_M, BLOCK_R=rank, BLOCK_K=kf.SHRINK_BLOCK_K)
     for split in (True, False):
         for key_table in (True, False):
             compile_one(kf._lora_train_shrink_fwd_kernel,
-                        dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=key_table, BLOCK_M=kf.SHRINK_BLOCK_M,
-                             BLOCK_R=rank, BLOCK_K=kf.SHRINK_BLOCK_K), warps, kf.SHRINK_NUM_STAGES, stream=True)
+                        dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=key_table, ROW_WINDOWS=False, **tiles),
+                        warps, kf.SHRINK_NUM_STAGES, stream=True)
+        compile_one(kf._lora_train_shrink_fwd_kernel,
+                    dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=True, ROW_WINDOWS=True, **tiles),
+                    kf.shrink_warps(kf.SHRINK_BLOCK_M, rank, True), kf.SHRINK_NUM_STAGES, stream=True,
+                    fp32={"s_ptr"})
     compile_one(kf._lora_train_shrink_fwd_kernel,
-                dict(HAS_DROPOUT=False, SPLIT=True, KEY_TABLE=False, BLOCK_M=kf.SHRINK_BLOCK_M, BLOCK_R=rank,
-                     BLOCK_K=kf.SHRINK_BLOCK_K), warps, kf.SHRINK_NUM_STAGES, stream=True)
+                dict(HAS_DROPOUT=False, SPLIT=True, KEY_TABLE=False, ROW_WINDOWS=False, **tiles),
+                warps, kf.SHRINK_NUM_STAGES, stream=True)
 # Its unsplit autotune candidates (num_splits=1, up to rank 32).
 for m, k, w, s in kf.SHRINK_CONFIG_SHAPES:
     for key_table in (True, False):
         compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, SPLIT=False, KEY_TABLE=key_table,
-                                                           BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
+                                                           ROW_WINDOWS=False, BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
 # Kernels 3 and 5 with the launchers' CUDA blocks and warps, by rank.
 for rank in (16, 32, 128):
     bm, bn, w = (128, 256, 8) if rank <= 16 else (64, 128, 4) if rank <= 32 else (64, 64, 8)

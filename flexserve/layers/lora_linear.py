@@ -10,8 +10,10 @@ once by the model runner and read here from the forward context. A step whose to
 base model runs only the GEMM.
 
 While a fine-tuning forward window is in the batch (a `FinetuneCapture` in the forward context),
-its rows get LoRA dropout on the shrink input and their `{target}_base`, `{target}_xd` and
-`{target}_s` tensors (`flexserve.peft.layer_graph` names) go to the capture.
+the capture runs the shrink (`FinetuneCapture.lora_shrink`): its rows get LoRA dropout on the
+shrink input, hashed in registers by fused LoRA kernel 1 on the GPU, and their `{target}_base`,
+`{target}_xd` (where a plan keeps it) and `{target}_s` tensors (`flexserve.peft.layer_graph`
+names) go to the capture.
 """
 
 from __future__ import annotations
@@ -87,9 +89,8 @@ class LoRALinear(nn.Module):
         if not self.has_weights_for(meta):
             capture.take(self.layer_idx, f"{self.target}_base", y)
             return
-        x = capture.lora_input(self, x)  # dropout on the fine-tuning rows
         capture.take(self.layer_idx, f"{self.target}_base", y)  # before the expand adds into y
-        s = lora_shrink(x, self.lora_a, meta)
+        s = capture.lora_shrink(self, x, meta)  # dropout on the fine-tuning rows
         capture.take_lora_shrink(self, s)
         lora_expand(s, self.lora_b, meta, y, self.scaling)
 

@@ -13,14 +13,19 @@ mask, so the pruning plans keep neither masks nor dropout outputs (`graph_prunin
 fold_lora_dropout`); a plan given by hand may still keep a mask as a bitmask (1 bit per element,
 FlexLLM's compression). The hash is the fused LoRA kernels' (`flexserve_kernels.lora_fused_train`) under a
 seed per (job seed, layer, target) (`dropout_salt`), rows being positions in the sequence: on
-CUDA a kernel writes the mask in one pass, and the fused LoRA backward regenerates it in
-registers from the window's seed (`dropout_window_seed`) without reading it.
+CUDA the forward's shrink (`lora_ops.lora_window_shrink`: fused LoRA kernel 1, every window of
+the step and the inference rows in one launch) and the fused LoRA backward regenerate it in
+registers from the window's seed (`dropout_window_seed`), never writing or reading it; where a
+plan keeps the mask or the dropout output, a kernel writes the mask in one pass and the forward
+applies it as a tensor.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +34,9 @@ from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.layer_graph import LayerGraph
 from flexserve.worker.activation_offload import HostOffload
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora_fused_train_ref import dropout_keep_ref, row_seed
+from flexserve_kernels.lora_fused_train_ref import HASH_TOKEN, dropout_keep_ref, row_seed
+from flexserve_kernels.lora_meta import DropoutWindows
+from flexserve_kernels.lora_ops import MAX_WINDOW_RANK, lora_shrink, lora_window_shrink
 
 COMPRESSIONS = ("bitmask",)
 _TARGET_INDEX = {target: i for i, target in enumerate(TARGET_MODULES)}
@@ -137,6 +144,7 @@ class ActivationStore:
         self.kv_cache_names = graph_kv  # read from the paged KV cache, never kept here
         self.dropout_targets = frozenset(
             op.name.split(".")[0] for op in graph.ops if op.kind == "dropout")
+        self._dropout_salts: np.ndarray | None = None
         self.stored_names: list[frozenset[str]] = []  # per layer: kept in full
         self.bitmask_names: list[frozenset[str]] = []  # per layer: kept as packed bits
         self._row_bytes: dict[tuple[int, str], int] = {}
@@ -199,6 +207,15 @@ class ActivationStore:
     def num_bytes_stored(self) -> int:
         """Bytes the forward windows have written into the buffers still allocated."""
         return sum(n * self._row_bytes[key] for key, n in self._num_written.items())
+
+    def dropout_salts(self) -> np.ndarray:
+        """[num_layers, len(TARGET_MODULES)] int64: `dropout_salt` of every (layer, target) under
+        the sequence's seed, computed on first use (once per sequence)."""
+        if self._dropout_salts is None:
+            self._dropout_salts = np.array(
+                [[dropout_salt(self.dropout_seed, layer, target) for target in TARGET_MODULES]
+                 for layer in range(self.num_layers)], dtype=np.int64)
+        return self._dropout_salts
 
     def keeps(self, layer: int, name: str) -> bool:
         """Whether `layer` keeps `name` in full (not as a bitmask, not in the KV cache)."""
@@ -348,6 +365,7 @@ class FinetuneCapture:
         # (layer, name) -> the windows whose store keeps that tensor in full, in window order
         self._keepers: dict[tuple[int, str], list[CaptureWindow]] = {}
         self._dropout_targets: frozenset[str] = frozenset()  # targets some window's job drops out
+        self._dropout_windows: DropoutWindows | None = None  # built on first use, per step
 
     def add_window(
         self, store: ActivationStore, flat_start: int, start: int, num_tokens: int, lora_slot: int
@@ -370,6 +388,7 @@ class FinetuneCapture:
             for name in names:
                 keepers.setdefault((layer, name), []).append(window)
         self._dropout_targets |= store.dropout_targets
+        self._dropout_windows = None
         return len(self.windows) - 1
 
     def wants(self, layer: int, name: str) -> bool:
@@ -380,6 +399,47 @@ class FinetuneCapture:
         """`tensor` [T, width] of the flat batch: store the window rows where the plan keeps it."""
         for w in self._keepers.get((layer, name), ()):
             w.store.write(layer, name, w.start, tensor[w.rows])
+
+    def lora_shrink(self, module: Any, x: torch.Tensor, meta: Any) -> torch.Tensor:
+        """A `LoRALinear`'s shrink s [T, max_rank] (fp32) of x (`LoRAKernelMeta` meta) with LoRA
+        dropout on the rows of windows whose job drops out this target: one `lora_window_shrink`
+        (on the GPU, fused LoRA kernel 1 hashes every window's mask in registers while it reads x
+        once); where a window's plan keeps the dropout output or the mask, or the slot is wider
+        than that shrink takes, the masked x as a tensor (`lora_input`) through `lora_shrink`."""
+        target, layer = module.target, module.layer_idx
+        if target not in self._dropout_targets:
+            return lora_shrink(x, module.lora_a, meta)
+        if module.max_rank > MAX_WINDOW_RANK or self._keeps_dropout_tensors(layer, target):
+            return lora_shrink(self.lora_input(module, x), module.lora_a, meta)
+        if layer < 0:
+            raise RuntimeError("a LoRALinear without layer_idx: use attach_lora_linears")
+        group = layer * len(TARGET_MODULES) + _TARGET_INDEX[target]
+        return lora_window_shrink(x, module.lora_a, meta, self.dropout_windows(x.device), group)
+
+    def _keeps_dropout_tensors(self, layer: int, target: str) -> bool:
+        """Whether a window's plan keeps `target`'s dropout output or mask in `layer`."""
+        mask = f"{target}_mask"
+        return (layer, f"{target}_xd") in self._keepers or any(
+            mask in w.store.bitmask_names[layer] for w in self.windows if target in w.store.dropout_targets)
+
+    def dropout_windows(self, device: torch.device) -> DropoutWindows:
+        """The step's windows whose job has LoRA dropout as `DropoutWindows`, group layer *
+        len(TARGET_MODULES) + target index: the window's seed under which its rows hash as
+        positions (`dropout_window_seed`) and its p where the job drops out that target, else 0.
+        Built once per step (one small copy to the device)."""
+        if self._dropout_windows is None:
+            dropping = [w for w in self.windows if w.store.lora_dropout > 0]
+            num_layers = max(w.store.num_layers for w in dropping)
+            seeds = np.zeros((num_layers * len(TARGET_MODULES), len(dropping)), dtype=np.int64)
+            ps = np.zeros(seeds.shape, dtype=np.float32)
+            for i, w in enumerate(dropping):
+                salts = w.store.dropout_salts()
+                seeds[:salts.size, i] = ((salts + w.start * HASH_TOKEN) % 2**32).ravel()  # row_seed
+                on = np.array([t in w.store.dropout_targets for t in TARGET_MODULES])
+                ps[:salts.size, i] = np.tile(np.where(on, w.store.lora_dropout, 0.0), w.store.num_layers)
+            self._dropout_windows = DropoutWindows.build(
+                [(w.flat_start, w.num_tokens) for w in dropping], seeds, ps, device)
+        return self._dropout_windows
 
     def lora_input(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """The shrink input of a `LoRALinear`: x, with LoRA dropout applied to the rows of

@@ -123,6 +123,19 @@ def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.T
     return term
 
 
+def fused_lora_dropout_shrink(x: torch.Tensor, lora_a: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """S [n, r] fp32 = dropout(x) A^T over a window as fused LoRA kernel 1 (the forward's shrink):
+    x [n, in] is the adapter's input before dropout, whose mask the kernel hashes in registers from
+    `seed` (`dropout_window_seed`), so neither the mask nor the dropout output is built. The
+    window's meta and slot are cached device tensors and the seed a kernel argument: no copy to
+    the device per call (a pageable copy waits for the stream's work)."""
+    from flexserve_kernels.lora_fused_train import lora_train_shrink_fwd
+
+    meta = _window_meta(x.shape[0], x.device)
+    return lora_train_shrink_fwd(_rows(x), lora_a[None], meta, _train_slots(p, x.device), seed,
+                                 out_dtype=torch.float32)
+
+
 def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`RMSNorm` without a residual: normalize in fp32, cast back, scale."""
     h = x.float()

@@ -37,7 +37,9 @@ In a bf16 or fp32 model the backward of an adapter with dropout runs its LoRA A 
 training kernels there (`fused_lora_a_backward`): dA and dX's LoRA term, dropout' applied with the
 mask regenerated from its hash in registers, with the same precision as above (dS as two 16-bit
 halves). That dX term reaches the frozen linear's dX GEMM epilogue, as the bypass's dX does
-without dropout, and the dropout op's own backward has nothing left to do. Without dropout the
+without dropout, and the dropout op's own backward has nothing left to do. LoRA A's output S,
+where the plan rematerializes it, is fused LoRA kernel 1 over the dropout's input, as in the
+forward (`fused_lora_dropout_shrink`): the mask is never built as a tensor there either. Without dropout the
 torch ops stay: measured on an H200 (docs/benchmarks.md, session 12), the kernels' extra
 launches made the host the bottleneck, and cuBLAS's fp32 GEMMs for LoRA B were faster than an
 fp32 Triton kernel 3.
@@ -64,6 +66,7 @@ from flexserve.worker.backward_gradients import WindowGradients
 from flexserve.worker.backward_ops import (
     addmm_fp32,
     fused_lora_a_backward,
+    fused_lora_dropout_shrink,
     fused_rope_backward,
     fused_silu_mul_backward,
     mm_fp32,
@@ -508,8 +511,18 @@ class _Window:
         op = owner.graph.producer(name)
         if op is None:
             raise KeyError(f"{name} is neither stored nor computable")
-        x = self.act(op.inputs[0])
         target = op.name.split(".")[0]
+        source = owner.graph.producer(op.inputs[0])
+        if (op.kind == "lora_a" and source is not None and source.kind == "dropout" and self.lora_kernels
+                and op.inputs[0] not in store.stored_names[layer]):
+            # S of a dropout output the plan does not keep, as the forward computed it: fused LoRA
+            # kernel 1 over the dropout's input with the mask hashed in registers, neither the mask
+            # nor the dropout output built as a tensor.
+            _, rank, _, _ = owner._lora[(layer, target)]
+            lora_a = owner.linear(layer, target).lora_a[owner.lora_slot, :rank]
+            seed = dropout_window_seed(store.dropout_seed, layer, target, self.start)
+            return fused_lora_dropout_shrink(self.act(source.inputs[0]), lora_a, store.lora_dropout, seed)
+        x = self.act(op.inputs[0])
         if op.kind == "rmsnorm":
             norm = getattr(self.decoder, op.name)
             return rmsnorm_forward(x, norm.weight, norm.variance_epsilon)
