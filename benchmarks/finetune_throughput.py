@@ -45,9 +45,9 @@ def main() -> None:
     parser.add_argument("--lora-dropouts", type=float, nargs="+", default=[0.0])
     parser.add_argument("--lora-backward", nargs="+", choices=["kernels", "torch"], default=["kernels"],
                         help="torch: the adapters' backward and the dropout masks as torch ops (no "
-                             "fused LoRA kernels; the masks' int64 reference hash, regenerated in the "
-                             "backward since plans keep no mask); several values run each case once "
-                             "per value")
+                             "fused LoRA kernels; the masks' int64 reference hash, applied as tensors "
+                             "in the forward and regenerated in the backward since plans keep no "
+                             "mask); several values run each case once per value")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--remat-threshold", type=float, default=None,
@@ -89,12 +89,16 @@ def main() -> None:
     from flexserve.worker import activation_store, layer_backward
 
     lora_kernel_dtypes, mask_dispatch = layer_backward.LORA_KERNEL_DTYPES, activation_store.use_triton
+    capture = activation_store.FinetuneCapture
+    keeps_dropout_tensors = capture._keeps_dropout_tensors
 
     def use_lora_backward(backend: str) -> None:
         torch_path = backend == "torch"
         layer_backward.LORA_KERNEL_DTYPES = () if torch_path else lora_kernel_dtypes
         # only the dropout masks ask activation_store's dispatch
         activation_store.use_triton = (lambda device: False) if torch_path else mask_dispatch
+        # and the forward applies them as tensors (before session 17 it always did)
+        capture._keeps_dropout_tensors = (lambda *_: True) if torch_path else keeps_dropout_tensors
 
     max_len = max(args.seq_lens)
     llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
