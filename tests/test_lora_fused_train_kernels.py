@@ -338,6 +338,10 @@ def test_dropout_windows_bad_input():
     x, lora_a = torch.randn(5, 8).to(DEVICE), torch.randn(1, 4, 8).to(DEVICE)
     with pytest.raises(ValueError, match="group 2"):
         fused.lora_window_shrink_fwd(x, lora_a, meta, windows, 2)
+    from flexserve_kernels.lora_ops import lora_window_shrink
+
+    with pytest.raises(ValueError, match="ranks up to 128"):  # kernel 1's widest slot
+        lora_window_shrink(x, torch.zeros(1, 129, 8).to(DEVICE), meta, windows, 0)
 
 
 def test_reference_mask_keeps_one_minus_p_and_depends_on_seed():
