@@ -3,10 +3,11 @@
 The fused LoRA kernels regenerate the mask in registers (`lora_fused_train.dropout_keep`; the
 fine-tuning engine's forward shrink and its backward run them on the GPU); code that applies
 dropout with torch ops (a plan that keeps the mask as a bitmask or the dropout output, an fp16
-model's backward, rematerializing a dropout output) needs it as a tensor. This kernel writes it in one pass, n x width bytes; the
-torch reference (`lora_fused_train_ref.dropout_keep_ref`) builds several int64 intermediates of
-the mask's size: on an H200 its int64 elementwise kernels took about 33 ms per 4096-token
-Llama-3.1-8B sequence with dropout on down_proj, about 1 ms a layer (docs/benchmarks.md, session 12).
+model's backward, rematerializing a dropout output) needs it as a tensor. This kernel writes it in
+one pass, n x width bytes; the torch reference (`lora_fused_train_ref.dropout_keep_ref`) builds
+several int64 intermediates of the mask's size: on an H200 its int64 elementwise kernels took
+about 33 ms per 4096-token Llama-3.1-8B sequence with dropout on down_proj, about 1 ms a layer
+(docs/benchmarks.md, session 12).
 """
 
 from __future__ import annotations

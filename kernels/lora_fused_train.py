@@ -578,7 +578,8 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
         x, lora_a, s, part, counters, keys, *common, k_per_split, num_splits, num_windows, group,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), part.stride(0) if split else 0,
         SPLIT=split, BLOCK_M=block_m, BLOCK_R=rank_block(max_rank), BLOCK_K=block_k, **flags,
-        num_warps=num_warps or shrink_warps(block_m, max_rank, windows is not None), num_stages=num_stages or SHRINK_NUM_STAGES,
+        num_warps=num_warps or shrink_warps(block_m, max_rank, windows is not None),
+        num_stages=num_stages or SHRINK_NUM_STAGES,
     )
     return s
 

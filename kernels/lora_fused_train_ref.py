@@ -105,7 +105,7 @@ def lora_window_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, meta, windows,
         if p > 0 and count > 0:
             keep = dropout_keep_ref(row_seed(shifted & _MASK32, first), count, x.shape[1], p, x.device)
             xs[first:first + count] = xs[first:first + count] * keep / (1.0 - p)
-    s = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    for start, length, slot in zip(meta.seg_starts.tolist(), meta.seg_lens.tolist(), meta.seg_slots.tolist()):
-        s[start:start + length] = xs[start:start + length] @ lora_a[slot].float().T
-    return s
+    # Here, not at the top: lora_ref imports lora_meta, which imports this module.
+    from flexserve_kernels.lora_ref import lora_shrink_ref
+
+    return lora_shrink_ref(xs, lora_a, meta)

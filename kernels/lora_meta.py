@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flexserve_kernels.lora_fused_train_ref import HASH_TOKEN
+from flexserve_kernels.lora_fused_train_ref import row_seed
 
 
 @dataclass(slots=True)
@@ -130,7 +130,7 @@ class DropoutWindows:
             raise ValueError("window seeds must be in [0, 2**32)")
         if (ps < 0).any() or (ps >= 1).any():
             raise ValueError("dropout probabilities must be in [0, 1)")
-        shifted = ((seeds - firsts * HASH_TOKEN) % 2**32).astype(np.uint32).view(np.int32)
+        shifted = row_seed(seeds, -firsts).astype(np.uint32).view(np.int32)  # batch row t hashes as t
         table = np.stack([shifted, ps.view(np.int32)], axis=-1)
         packed = torch.from_numpy(np.concatenate([np.stack([firsts, counts], -1).astype(np.int32).ravel(),
                                                   table.ravel()]))

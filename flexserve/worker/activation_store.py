@@ -34,7 +34,7 @@ from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.layer_graph import LayerGraph
 from flexserve.worker.activation_offload import HostOffload
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora_fused_train_ref import HASH_TOKEN, dropout_keep_ref, row_seed
+from flexserve_kernels.lora_fused_train_ref import dropout_keep_ref, row_seed
 from flexserve_kernels.lora_meta import DropoutWindows
 from flexserve_kernels.lora_ops import MAX_WINDOW_RANK, lora_shrink, lora_window_shrink
 
@@ -434,7 +434,7 @@ class FinetuneCapture:
             ps = np.zeros(seeds.shape, dtype=np.float32)
             for i, w in enumerate(dropping):
                 salts = w.store.dropout_salts()
-                seeds[:salts.size, i] = ((salts + w.start * HASH_TOKEN) % 2**32).ravel()  # row_seed
+                seeds[:salts.size, i] = row_seed(salts, w.start).ravel()  # `dropout_window_seed`, vectorized
                 on = np.array([t in w.store.dropout_targets for t in TARGET_MODULES])
                 ps[:salts.size, i] = np.tile(np.where(on, w.store.lora_dropout, 0.0), w.store.num_layers)
             self._dropout_windows = DropoutWindows.build(
