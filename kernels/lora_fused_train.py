@@ -7,12 +7,15 @@ The graph is split at S = dropout(x) A^T, the [T, r] tensor that is cheap to sto
   kernel 2 (`lora_train_linear_fwd`): y = x W^T + scaling * S B^T in one pass over y: each y tile
   adds its [tile_m, r] x [r, tile_n] LoRA product to the base GEMM's accumulator before its one
   store (no separate expand reading and writing y again).
-Kernel 2 has two forms (`base_gemm`). "blas" (the default): the Triton kernel writes only the LoRA
-term, and torch's GEMM (cuBLAS on CUDA) computes x W^T with that term as its C operand (beta = 1,
-`addmm_`), so the term is read in cuBLAS's epilogue and the compute-bound GEMM keeps cuBLAS's
-tiling; the cost over the plain GEMM is one write of the term. "triton": the base GEMM runs in the
-Triton kernel too (LoRAFusion's literal form); measured slower on Hopper, where these Triton GEMMs
-reached 0.5-0.75x of cuBLAS (docs/benchmarks.md, session 3), and kept for that comparison.
+Kernel 2 has three forms (`base_gemm`). "blas": the Triton kernel writes only the LoRA term, and
+torch's GEMM (cuBLAS on CUDA) computes x W^T with that term as its C operand (beta = 1, `addmm_`),
+so the term is read in cuBLAS's epilogue and the compute-bound GEMM keeps cuBLAS's tiling; the
+cost over the plain GEMM is one write of the term. "tma" (lora_fused_train_tma): LoRAFusion's
+literal form on Hopper, a persistent Triton GEMM over TMA with the LoRA product in its epilogue, no
+term through memory. "triton": the base GEMM in a Triton kernel with pointer loads; measured slower
+on Hopper, where these GEMMs reached 0.5-0.75x of cuBLAS (docs/benchmarks.md, session 3), and kept
+for that comparison. `fused_lora_linear`'s default, "auto", times "blas" and "tma" on the first
+call of each shape and keeps the faster (`timed_forward_form`).
 Dropout is never stored: the keep mask is a counter-based hash of (seed, token, column), and the
 backward (lora_fused_train_bwd) regenerates it. Adapters are routed per token: meta's segments
 give each token's slot; a y row tile loops over the segments it overlaps (usually one), masking
@@ -357,10 +360,67 @@ _linear_term_tuned = triton.autotune(
 BASE_GEMMS = ("blas", "triton", "tma")
 
 
-def check_base_gemm(base_gemm: str) -> None:
-    """ValueError unless base_gemm is one of BASE_GEMMS."""
-    if base_gemm not in BASE_GEMMS:
-        raise ValueError(f"base_gemm must be one of {BASE_GEMMS}, got {base_gemm!r}")
+def check_base_gemm(base_gemm: str, choices: tuple[str, ...] = BASE_GEMMS) -> None:
+    """ValueError unless base_gemm is one of `choices`."""
+    if base_gemm not in choices:
+        raise ValueError(f"base_gemm must be one of {choices}, got {base_gemm!r}")
+
+
+def base_gemm_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, max_rank: int) -> tuple[str, str]:
+    """(forward, backward) forms of the frozen GEMMs for `fused_lora_linear`'s base_gemm. "auto":
+    kernel 4 on cuBLAS, and kernel 2 "auto" where its TMA form runs (a CUDA GPU of compute
+    capability >= 9.0, ranks up to MAX_TMA_RANK, 16-byte rows of x, W and y: `timed_forward_form`
+    then picks), else "blas". Any other value is both."""
+    if base_gemm != "auto":
+        return base_gemm, base_gemm
+    from flexserve_kernels.lora_fused_train_tma import MAX_TMA_RANK, tma_supported
+
+    out_bytes = weight.shape[0] * x.element_size()
+    tma = (x.is_cuda and max_rank <= MAX_TMA_RANK and out_bytes % 16 == 0 and tma_supported(x, weight))
+    return ("auto" if tma else "blas"), "blas"
+
+
+_FORWARD_FORMS: dict[tuple, str] = {}
+FORWARD_FORM_REPS = 4  # calls per timed batch
+FORWARD_FORM_ROUNDS = 3  # batches per form, the forms alternating
+_QUEUE_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU clock: the host queues a batch behind it
+
+
+def timed_forward_form(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
+                       meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor) -> str:
+    """Kernel 2's faster form here, "blas" (cuBLAS with the LoRA term as C) or "tma" (the persistent
+    Triton GEMM with the term in its epilogue), as the autotuner picks tiles. The first call of each
+    (device, token bucket, out, in, rank, dtype) runs each form once (their autotuning),
+    then times FORWARD_FORM_ROUNDS batches of FORWARD_FORM_REPS calls per form, alternating, each
+    batch between CUDA events queued behind a GPU sleep so that the events time the GPU and not the
+    host's launches (torch.cuda._sleep, private but long-standing); the form of the lower best
+    batch is kept, and later calls look it up: only a shape's first call synchronizes. Neither
+    wins everywhere on an H100: the TMA form saves the term's write and read, but its Triton GEMM
+    trails cuBLAS on some grids (docs/benchmarks.md, session 18)."""
+    key = (x.device, triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], lora_b.shape[2], x.dtype)
+    form = _FORWARD_FORMS.get(key)
+    if form is not None:
+        return form
+    forms = ("blas", "tma")
+
+    def run(form: str) -> None:
+        lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form)
+
+    for candidate in forms:
+        run(candidate)
+    best = dict.fromkeys(forms, float("inf"))
+    for _ in range(FORWARD_FORM_ROUNDS):
+        for candidate in forms:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_QUEUE_AHEAD_CYCLES)
+            begin.record()
+            for _ in range(FORWARD_FORM_REPS):
+                run(candidate)
+            end.record()
+            end.synchronize()
+            best[candidate] = min(best[candidate], begin.elapsed_time(end))
+    form = _FORWARD_FORMS[key] = min(best, key=best.get)
+    return form
 
 
 def token_segments(meta: LoRAKernelMeta) -> torch.Tensor:
@@ -635,9 +695,12 @@ class FusedLoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed, base_gemm):
         token_segs = token_segments(meta)
         s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
-        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=base_gemm)
+        fwd_gemm, ctx.base_gemm = base_gemm_forms(base_gemm, x, weight, lora_a.shape[1])
+        if fwd_gemm == "auto":
+            fwd_gemm = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
+        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=fwd_gemm)
         ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
-        ctx.meta, ctx.slots, ctx.seed, ctx.base_gemm = meta, slots, seed, base_gemm
+        ctx.meta, ctx.slots, ctx.seed = meta, slots, seed
         return y
 
     @staticmethod
@@ -666,15 +729,17 @@ class FusedLoRALinearFunction(torch.autograd.Function):
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                      meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int, *, base_gemm: str = "blas") -> torch.Tensor:
+                      meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int, *,
+                      base_gemm: str = "auto") -> torch.Tensor:
     """Differentiable fused LoRA linear over x [..., in] (tokens flattened in order for meta).
 
     weight [out, in] is frozen (ValueError if it requires grad); lora_a [slots, r_max, in] and
     lora_b [slots, out, r_max] hold each slot's adapter zero-padded to r_max; seed in [0, 2**31)
     fixes the dropout mask, regenerated in backward. base_gemm picks where the frozen GEMMs of
-    kernels 2 and 4 run ("blas": torch's GEMM with the LoRA term as its C operand; "triton").
+    kernels 2 and 4 run ("blas": torch's GEMM with the LoRA term as its C operand; "triton"; "tma";
+    "auto": `base_gemm_forms`).
     """
-    check_base_gemm(base_gemm)
+    check_base_gemm(base_gemm, BASE_GEMMS + ("auto",))
     if weight.requires_grad:
         raise ValueError("the base weight must be frozen (requires_grad=False) for the fused LoRA linear")
     if not 0 <= seed < 2**31:

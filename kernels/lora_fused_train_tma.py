@@ -32,12 +32,13 @@ def _lora_train_linear_fwd_tma_kernel(
     x_desc, w_desc, y_desc, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
     M, N, K, max_rank, m_bucket, stride_sm, stride_bs, stride_bn, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # Persistent: program p takes output tiles p, p + num_programs, ... (m_bucket is only the
     # autotuner's key). x [M, K] and W [N, K] are read as [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K].
+    # WARP_SPECIALIZE as in kernel 4.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), num_tiles, num_programs):
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -106,17 +107,18 @@ def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, s
                   HAS_DROPOUT, BLOCK_R, PARTS // 2)
 
 
-# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages; kernel 4's
-# also EPILOGUE_SPLIT and WARP_SPECIALIZE): none spills up to rank 32 (ptxas, sm_90, triton 3.9,
-# bf16; dX with dropout, which holds a second fp32 tile and the hash beside the accumulator) and
-# each fits the 227 KB of shared memory. Above rank 32 every one of them spills, hence
-# MAX_TMA_RANK. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the
+# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, then kernel
+# 2's WARP_SPECIALIZE, kernel 4's EPILOGUE_SPLIT and WARP_SPECIALIZE): none spills up to rank 32
+# (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second fp32 tile and the hash
+# beside the accumulator) and each fits the 227 KB of shared memory. Above rank 32 every one of
+# them spills, hence MAX_TMA_RANK. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the
 # hash of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200, triton 3.6), and in
 # two parts it still spills 304 bytes. Triton 3.6's Hopper warp specialization fails to compile
 # at 4 warps, so only 8-warp candidates take it. The last candidate of each is the one fp32
 # operands fit (`_fits_shared_memory`).
-FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-                         (128, 128, 128, 8, 3), (128, 128, 32, 8, 3))
+FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, True),
+                         (128, 128, 64, 8, 4, False), (128, 128, 64, 4, 4, False), (256, 128, 64, 8, 3, False),
+                         (128, 128, 128, 8, 3, False), (128, 128, 32, 8, 3, False))
 DX_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, 4, True), (128, 256, 64, 8, 3, 4, False), (128, 128, 64, 8, 4, 1, True),
                         (128, 128, 64, 8, 4, 1, False), (128, 128, 64, 8, 3, 1, False), (128, 128, 128, 8, 3, 1, False),
                         (128, 128, 32, 8, 3, 1, False))
@@ -140,11 +142,17 @@ def _set_blocks(operands: tuple[tuple[str, ...], ...]):
     return hook
 
 
-def _configs(shapes, operands) -> list[triton.Config]:
+_FWD_EXTRAS = ("WARP_SPECIALIZE",)
+_DX_EXTRAS = ("EPILOGUE_SPLIT", "WARP_SPECIALIZE")
+
+
+def _configs(shapes, operands, extras) -> list[triton.Config]:
+    """triton.Configs of the candidate tuples: the tiles, warps and stages, then the constexprs
+    named in `extras`."""
     hook = _set_blocks(operands)
     configs = []
-    for m, n, k, w, s, *epilogue in shapes:
-        extra = dict(zip(("EPILOGUE_SPLIT", "WARP_SPECIALIZE"), epilogue))
+    for m, n, k, w, s, *rest in shapes:
+        extra = dict(zip(extras, rest))
         configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, **extra}, num_warps=w,
                                      num_stages=s, pre_hook=hook))
     return configs
@@ -173,10 +181,12 @@ def _fits_shared_memory(configs, named_args, **kwargs):
 
 
 _TUNE_KEY = ["m_bucket", "N", "K", "max_rank"]
-_fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERANDS), key=_TUNE_KEY,
+_fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERANDS, _FWD_EXTRAS),
+                             key=_TUNE_KEY,
                              prune_configs_by={"early_config_prune": _fits_shared_memory})(
     _lora_train_linear_fwd_tma_kernel)
-_dx_tuned = triton.autotune(configs=_configs(DX_TMA_CONFIG_SHAPES, _DX_OPERANDS), key=_TUNE_KEY,
+_dx_tuned = triton.autotune(configs=_configs(DX_TMA_CONFIG_SHAPES, _DX_OPERANDS, _DX_EXTRAS),
+                            key=_TUNE_KEY,
                             prune_configs_by={"early_config_prune": _fits_shared_memory})(
     _lora_train_dx_bwd_tma_kernel)
 
@@ -240,7 +250,7 @@ def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None
             out_size, in_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0), lora_b.stride(0),
             lora_b.stride(1))
     _launch(_lora_train_linear_fwd_tma_kernel, _fwd_tuned, _FWD_OPERANDS, (x, weight, y), rest, num_tokens,
-            out_size, max_rank, blocks)
+            out_size, max_rank, blocks, untuned=dict(WARP_SPECIALIZE=False))
 
 
 def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None, epilogue_split=2) -> None:

@@ -532,7 +532,7 @@ def test_invalid_arguments_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma"])
+@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "auto"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_gpu_matches_reference(name, base_gemm):
     if base_gemm == "tma" and CASES[name].max_rank > 32:
@@ -545,7 +545,7 @@ def test_bf16_gpu_matches_reference(name, base_gemm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma"])
+@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "auto"])
 def test_bf16_gpu_autotuned_tiles_four_adapters(base_gemm):
     # Autotuned 64-256-wide tiles over 4 adapters (ranks 16, 8, 16, 4), base rows between them.
     case = Case(128, 96, 16, (16, 8, 16, 4), (0.1, 0.0, 0.05, 0.1), (70, 9, 61, 33, 50), (0, -1, 1, 2, 3))
@@ -679,10 +679,11 @@ for accumulate in (False, True):
                                                         UNROLL=kb.SUM_UNROLL), 2, 1)
 compile_one(kb._sum_parts_kernel, dict(BLOCK=kb.SUM_BLOCK, UNROLL=kb.SUM_UNROLL), 2, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
-for shapes, fn, operands, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel, kt._FWD_OPERANDS, {}),
-                                    (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
-                                     {"HAS_DROPOUT": True})):
-    for c in kt._configs(shapes, operands):
+for shapes, fn, operands, names, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel,
+                                           kt._FWD_OPERANDS, kt._FWD_EXTRAS, {}),
+                                          (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
+                                           kt._DX_EXTRAS, {"HAS_DROPOUT": True})):
+    for c in kt._configs(shapes, operands, names):
         for rank in (16, kt.MAX_TMA_RANK):
             compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages, gemm=True,
                         descs={operand[0]: operand for operand in operands})
@@ -709,9 +710,9 @@ def test_benchmark_smoke_writes_json_lines(tmp_path):
                             cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["path"] for r in rows) == ["base", "base", "engine", "engine", "fused", "fused_multi", "fused_multi_tma",
-                                               "fused_multi_triton", "fused_tma", "fused_triton", "torch_lora",
-                                               "torch_multi"]
+    assert sorted(r["path"] for r in rows) == ["base", "base", "engine", "engine", "fused", "fused_blas", "fused_multi",
+                                               "fused_multi_blas", "fused_multi_tma", "fused_multi_triton", "fused_tma",
+                                               "fused_triton", "torch_lora", "torch_multi"]
     assert {r["num_adapters"] for r in rows} == {1, 4}
     assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_tma_max_rel_err"] < 1e-5 and r["fwd_ms"] > 0
                and (r["path"] == "engine" or r["fwd_bwd_ms"] > 0) for r in rows)
@@ -755,3 +756,39 @@ def test_autotuned_launches_run_every_config(monkeypatch):
         assert_close("dx", dx, fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
     assert len(calls) == sum(len(shapes) for shapes in (fused.FWD_CONFIG_SHAPES, fused.TERM_CONFIG_SHAPES,
                                                         fused_bwd.DX_CONFIG_SHAPES, fused_bwd.DX_TERM_CONFIG_SHAPES))
+
+
+def test_auto_base_gemm_takes_tma_forward_only_where_it_runs():
+    # "auto": kernel 2 timed between its blas and TMA forms on a Hopper GPU (ranks up to
+    # MAX_TMA_RANK, 16-byte rows), kernel 4 on cuBLAS; CPU (the interpreter) and wide ranks get
+    # "blas" both ways. Other values are both.
+    from flexserve_kernels.lora_fused_train_tma import MAX_TMA_RANK
+
+    x, weight = torch.zeros(8, 64), torch.zeros(32, 64)
+    assert fused.base_gemm_forms("auto", x, weight, 16) == ("blas", "blas")
+    for form in fused.BASE_GEMMS:
+        assert fused.base_gemm_forms(form, x, weight, 16) == (form, form)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        x, weight = x.cuda().bfloat16(), weight.cuda().bfloat16()
+        assert fused.base_gemm_forms("auto", x, weight, MAX_TMA_RANK) == ("auto", "blas")
+        assert fused.base_gemm_forms("auto", x, weight, MAX_TMA_RANK + 1) == ("blas", "blas")
+        assert fused.base_gemm_forms("auto", x, weight[:31], 16) == ("blas", "blas")  # 62-byte rows of y
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU of compute capability >= 9.0")
+def test_gpu_auto_forward_form_is_timed_once_per_shape(monkeypatch):
+    case = Case(256, 128, 16, (16,), (0.1,), (256,), (0,))
+    x, weight, lora_a, lora_b, meta, scalings = make_inputs(case, torch.bfloat16, "cuda")
+    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), "cuda")
+    monkeypatch.setattr(fused, "_FORWARD_FORMS", {})
+    y = fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
+    (form,) = fused._FORWARD_FORMS.values()
+    assert form in ("blas", "tma")
+    assert torch.equal(y, fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3, base_gemm=form))
+    calls = []
+    real = fused.lora_train_linear_fwd
+    monkeypatch.setattr(fused, "lora_train_linear_fwd", lambda *a, **k: calls.append(k["base_gemm"]) or real(*a, **k))
+    fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
+    assert calls == [form]  # looked up, not timed again

@@ -3,11 +3,14 @@
 For n = k in {4096, 5120, 8192}, rank 16, m in {2048, 4096, 8192} tokens, bf16, times forward and
 forward + backward (CUDA events, median of --iters after --warmup calls, which also run the
 autotuner) of one LoRA linear:
-  fused       flexserve_kernels.lora_fused_train.fused_lora_linear, base_gemm="blas": Triton for the
-              LoRA kernels, cuBLAS for the frozen GEMMs with the LoRA terms as their C operands;
-  fused_triton  the same with base_gemm="triton" (the frozen GEMMs in Triton too);
-  fused_tma   the same with base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the
-              LoRA products in their accumulators: no LoRA term through memory);
+  fused       flexserve_kernels.lora_fused_train.fused_lora_linear as it runs by default
+              (base_gemm="auto": the forward's frozen GEMM in whichever of the blas and tma forms
+              below timed faster at this shape, the backward's on cuBLAS);
+  fused_blas  base_gemm="blas": Triton for the LoRA kernels, cuBLAS for the frozen GEMMs with the
+              LoRA terms as their C operands;
+  fused_triton  base_gemm="triton" (the frozen GEMMs in Triton too);
+  fused_tma   base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the LoRA products
+              in their accumulators: no LoRA term through memory);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
   base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to;
   engine      forward only, no dropout: what the server's LoRALinear runs for prefill rows today
@@ -52,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="n = k values (default: LoRAFusion's)")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="m values (default: LoRAFusion's)")
+    p.add_argument("--forms", nargs="+", default=["blas", "triton", "tma"],
+                   help="base_gemm forms timed besides the default (the fused path)")
     p.add_argument("--kernel-table", action="store_true",
                    help="also print each path's CUDA kernels (torch.profiler, ms per step)")
     return p.parse_args()
@@ -142,7 +147,7 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     lora_b = (torch.randn(adapters, n, rank, generator=g) * 0.02).to(device, dtype).requires_grad_()
     leaves = [x, lora_a, lora_b]
 
-    def fused(p: float, base_gemm: str = "blas"):
+    def fused(p: float, base_gemm: str = "auto"):
         slots = LoRATrainSlots.build([scaling] * adapters, [p] * adapters, device)
         return lambda: fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, seed=1234, base_gemm=base_gemm)
 
@@ -177,8 +182,8 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
             y = F.linear(x, weight)
             return lora_expand(lora_shrink(x, lora_a, meta), lora_b, meta, y, engine_scalings)
 
-    paths = {names[0]: (fused(args.dropout), leaves), f"{names[0]}_triton": (fused(args.dropout, "triton"), leaves),
-             f"{names[0]}_tma": (fused(args.dropout, "tma"), leaves),
+    paths = {names[0]: (fused(args.dropout), leaves),
+             **{f"{names[0]}_{form}": (fused(args.dropout, form), leaves) for form in args.forms},
              names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x]), "engine": (engine, [])}
     rows = []
     for path, (forward, params) in paths.items():
