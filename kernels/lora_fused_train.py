@@ -373,11 +373,9 @@ def base_gemm_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, max_r
     then picks), else "blas". Any other value is both."""
     if base_gemm != "auto":
         return base_gemm, base_gemm
-    from flexserve_kernels.lora_fused_train_tma import MAX_TMA_RANK, tma_supported
+    from flexserve_kernels.lora_fused_train_tma import tma_forward_runs
 
-    out_bytes = weight.shape[0] * x.element_size()
-    tma = (x.is_cuda and max_rank <= MAX_TMA_RANK and out_bytes % 16 == 0 and tma_supported(x, weight))
-    return ("auto" if tma else "blas"), "blas"
+    return ("auto" if tma_forward_runs(x, weight, max_rank) else "blas"), "blas"
 
 
 _FORWARD_FORMS: dict[tuple, str] = {}
@@ -403,8 +401,8 @@ def timed_forward_form(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, l
         return form
     forms = ("blas", "tma")
 
-    def run(form: str) -> None:
-        lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form)
+    def run(candidate: str) -> None:
+        lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=candidate)
 
     for candidate in forms:
         run(candidate)

@@ -111,9 +111,9 @@ def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, s
 # 2's WARP_SPECIALIZE, kernel 4's EPILOGUE_SPLIT and WARP_SPECIALIZE): none spills up to rank 32
 # (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second fp32 tile and the hash
 # beside the accumulator) and each fits the 227 KB of shared memory. Above rank 32 every one of
-# them spills, hence MAX_TMA_RANK. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the
-# hash of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200, triton 3.6), and in
-# two parts it still spills 304 bytes. Triton 3.6's Hopper warp specialization fails to compile
+# them spills, hence MAX_TMA_RANK. Kernel 4's 128 x 256 tiles need the epilogue in four column
+# parts: whole, the hash of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200,
+# triton 3.6), and in two parts it still spills 304 bytes. Triton 3.6's Hopper warp specialization fails to compile
 # at 4 warps, so only 8-warp candidates take it. The last candidate of each is the one fp32
 # operands fit (`_fits_shared_memory`).
 FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, True),
@@ -207,6 +207,14 @@ def tma_supported(*tensors: torch.Tensor) -> bool:
         return False
     device = tensors[0].device
     return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_forward_runs(x: torch.Tensor, weight: torch.Tensor, max_rank: int) -> bool:
+    """Whether kernel 2 over TMA runs on a CUDA GPU for x [T, in] and weight [out, in] at this rank
+    (`_check_supported`'s conditions, y [T, out] included); False on CPU, where it would only run
+    in the interpreter."""
+    out_bytes = weight.shape[0] * x.element_size()
+    return x.is_cuda and max_rank <= MAX_TMA_RANK and out_bytes % 16 == 0 and tma_supported(x, weight)
 
 
 def _check_supported(max_rank: int, *tensors: torch.Tensor) -> None:
