@@ -17,9 +17,10 @@ on Hopper, where these GEMMs reached 0.5-0.75x of cuBLAS (docs/benchmarks.md, se
 for that comparison. `fused_lora_linear`'s default, "auto", times "blas" and "tma" on the first
 call of each shape and keeps the faster (`timed_forward_form`).
 Dropout is never stored: the keep mask is a counter-based hash of (seed, token, column), and the
-backward (lora_fused_train_bwd) regenerates it. Adapters are routed per token: meta's segments
-give each token's slot; a y row tile loops over the segments it overlaps (usually one), masking
-S's rows to each segment, so tiles may straddle adapters and tokens without one get the base only.
+backward (lora_fused_train_bwd) regenerates it. Adapters are routed per token: a y row tile whose
+rows all have one slot (the usual tile) adds its product in one dot, and one whose rows differ
+loops over meta's segments it overlaps, masking S's rows to each segment, so tiles may straddle
+adapters and tokens without one get the base only.
 """
 
 from __future__ import annotations
@@ -254,32 +255,64 @@ def tile_segments(token_segs_ptr, rows, num_rows):
 
 
 @triton.jit
-def add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                      seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn, BLOCK_R: tl.constexpr):
-    """acc [rows, cols] + scaling * S B^T for each adapter segment the row tile overlaps (kernel 2's
-    epilogue, the same in every form of it)."""
-    seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
+def tile_slot(token_slots_ptr, rows, num_rows):
+    """The adapter slot of every row of a tile (rows past num_rows left out): the slot when they
+    all have the same one, -1 when none has one, -2 when they differ."""
+    valid = rows < num_rows
+    slots = tl.load(token_slots_ptr + rows, mask=valid, other=0)
+    lowest = tl.min(tl.where(valid, slots, 2147483647), axis=0)
+    highest = tl.max(tl.where(valid, slots, -2147483647), axis=0)
+    return tl.where(lowest == highest, lowest, -2)
+
+
+@triton.jit
+def add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr,
+                      seg_lens_ptr, seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn,
+                      BLOCK_R: tl.constexpr):
+    """acc [rows, cols] + scaling * S B^T of each row's adapter (kernel 2's epilogue, the same in
+    every form of it). A tile whose rows share one slot adds one product after one load of its
+    rows' slots. A mixed tile walks the segments it overlaps, reading each one's start, length and
+    slot in turn: a chain of dependent loads after the main loop, which cost the TMA form 2-2.5%
+    of the base GEMM at 4096 x 4096 when every tile took it (docs/benchmarks.md, session 19)."""
+    slot = tile_slot(token_slots_ptr, rows, M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < max_rank
-    if seg_end > seg_first:
-        s_tile = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
-                         mask=(rows < M)[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+    if slot >= 0:
+        s_tile = _s_tile(s_ptr, rows, M, offs_r, r_mask, stride_sm)
+        acc = _add_slot_product(acc, s_tile * tl.load(scalings_ptr + slot), b_ptr, slot, cols, N, offs_r, r_mask,
+                                stride_bs, stride_bn)
+    if slot == -2:
+        seg_first, seg_end = tile_segments(token_segs_ptr, rows, M)
+        s_tile = _s_tile(s_ptr, rows, M, offs_r, r_mask, stride_sm)
         for seg in range(seg_first, seg_end):
             start = tl.load(seg_starts_ptr + seg)
             in_seg = (rows >= start) & (rows < start + tl.load(seg_lens_ptr + seg))
-            slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-            scaled = tl.where(in_seg[:, None], s_tile * tl.load(scalings_ptr + slot), 0.0)
-            # lora_b[slot] is [out, max_rank]; read as its transpose [BLOCK_R, BLOCK_N].
-            b_tile = tl.load(b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
-                             mask=r_mask[:, None] & (cols < N)[None, :], other=0.0)
-            acc = tl.dot(scaled.to(b_tile.dtype), b_tile, acc, input_precision="ieee")
+            seg_slot = tl.load(seg_slots_ptr + seg)
+            scaled = tl.where(in_seg[:, None], s_tile * tl.load(scalings_ptr + seg_slot), 0.0)
+            acc = _add_slot_product(acc, scaled, b_ptr, seg_slot, cols, N, offs_r, r_mask, stride_bs, stride_bn)
     return acc
 
 
 @triton.jit
+def _s_tile(s_ptr, rows, M, offs_r, r_mask, stride_sm):
+    """S's [rows, BLOCK_R] tile in fp32 (zeros past M and past the rank)."""
+    return tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_sm + offs_r[None, :],
+                   mask=(rows < M)[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_slot_product(acc, scaled_s, b_ptr, slot, cols, N, offs_r, r_mask, stride_bs, stride_bn):
+    """acc + scaled_s [rows, BLOCK_R] x B[slot]^T [BLOCK_R, cols]."""
+    # lora_b[slot] is [out, max_rank]; read as its transpose [BLOCK_R, BLOCK_N].
+    b_tile = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols.to(tl.int64)[None, :] * stride_bn + offs_r[:, None],
+                     mask=r_mask[:, None] & (cols < N)[None, :], other=0.0)
+    return tl.dot(scaled_s.to(b_tile.dtype), b_tile, acc, input_precision="ieee")
+
+
+@triton.jit
 def _lora_train_linear_fwd_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
-    M, N, K, max_rank, m_bucket,
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    scalings_ptr, M, N, K, max_rank, m_bucket,
     stride_xm, stride_wn, stride_sm, stride_bs, stride_bn, stride_ym,
     HAS_BASE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
@@ -305,8 +338,9 @@ def _lora_train_linear_fwd_kernel(
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
 
-    acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                            seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn, BLOCK_R)
+    acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr,
+                            seg_lens_ptr, seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn,
+                            BLOCK_R)
     y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -667,8 +701,8 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
         linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None if autotune else blocks)
         return y
     has_base = base_gemm == "triton"
-    args = (x, weight, s, lora_b, y, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
-            num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens),
+    args = (x, weight, s, lora_b, y, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots,
+            slots.scalings, num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens),
             x.stride(0), weight.stride(0), s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
     if autotune if autotune is not None else x.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"]),)  # noqa: E731

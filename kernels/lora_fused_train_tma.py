@@ -29,14 +29,16 @@ from flexserve_kernels.lora_fused_train_bwd import add_lora_dx_term
 
 @triton.jit
 def _lora_train_linear_fwd_tma_kernel(
-    x_desc, w_desc, y_desc, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr,
-    M, N, K, max_rank, m_bucket, stride_sm, stride_bs, stride_bn, num_programs,
+    x_desc, w_desc, y_desc, s_ptr, b_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
+    seg_slots_ptr, scalings_ptr, M, N, K, max_rank, m_bucket, stride_sm, stride_bs, stride_bn, num_programs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr,
 ):
     # Persistent: program p takes output tiles p, p + num_programs, ... (m_bucket is only the
     # autotuner's key). x [M, K] and W [N, K] are read as [BLOCK_M, BLOCK_K] / [BLOCK_N, BLOCK_K].
-    # WARP_SPECIALIZE as in kernel 4.
+    # WARP_SPECIALIZE as in kernel 4. EPILOGUE_SPLIT 2: the tile is stored in two column halves
+    # (y_desc's block is half the tile), so its staging buffer takes half the shared memory and a
+    # fourth pipeline stage fits beside 128 x 256 tiles.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -49,9 +51,23 @@ def _lora_train_linear_fwd_tma_kernel(
             acc = tl.dot(x_tile, w_tile.T, acc, input_precision="ieee")
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
-        acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                                seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn, BLOCK_R)
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+        acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_slots_ptr, token_segs_ptr,
+                                seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, scalings_ptr, max_rank, stride_sm,
+                                stride_bs, stride_bn, BLOCK_R)
+        _store_parts(acc, y_desc, off_m, off_n, EPILOGUE_SPLIT)
+
+
+@triton.jit
+def _store_parts(acc, desc, off_m, off_n, PARTS: tl.constexpr):
+    """Store the tile acc at [off_m, off_n] through desc, whose block is one of PARTS column parts
+    (a power of two), one part after the other."""
+    if PARTS == 1:
+        desc.store([off_m, off_n], acc.to(desc.dtype))
+    else:
+        half: tl.constexpr = acc.shape[1] // 2
+        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, half)), (0, 2, 1)))
+        _store_parts(left, desc, off_m, off_n, PARTS // 2)
+        _store_parts(right, desc, off_m, off_n + half, PARTS // 2)
 
 
 @triton.jit
@@ -107,18 +123,23 @@ def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, s
                   HAS_DROPOUT, BLOCK_R, PARTS // 2)
 
 
-# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, then kernel
-# 2's WARP_SPECIALIZE, kernel 4's EPILOGUE_SPLIT and WARP_SPECIALIZE): none spills up to rank 32
-# (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second fp32 tile and the hash
-# beside the accumulator) and each fits the 227 KB of shared memory. Above rank 32 every one of
-# them spills, hence MAX_TMA_RANK. Kernel 4's 128 x 256 tiles need the epilogue in four column
-# parts: whole, the hash of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200,
-# triton 3.6), and in two parts it still spills 304 bytes. Triton 3.6's Hopper warp specialization fails to compile
-# at 4 warps, so only 8-warp candidates take it. The last candidate of each is the one fp32
-# operands fit (`_fits_shared_memory`).
-FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, True), (128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, True),
-                         (128, 128, 64, 8, 4, False), (128, 128, 64, 4, 4, False), (256, 128, 64, 8, 3, False),
-                         (128, 128, 128, 8, 3, False), (128, 128, 32, 8, 3, False))
+# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, then
+# kernel 2's WARP_SPECIALIZE and EPILOGUE_SPLIT, kernel 4's EPILOGUE_SPLIT and WARP_SPECIALIZE):
+# none spills up to rank 32 (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second
+# fp32 tile and the hash beside the accumulator) and each fits the 227 KB of shared memory. Above
+# rank 32 every one of them spills, hence MAX_TMA_RANK; kernel 2's 256 x 128 candidate spilled 8
+# bytes at rank 32 once its epilogue had both the one-adapter product and the segment walk, and
+# was dropped. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the hash
+# of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200, triton 3.6), and in two
+# parts it still spills 304 bytes. Kernel 2's first two candidates store in two halves, which
+# leaves room for a fourth stage (the best at 4096 x 4096 on an H100, session 19). Triton 3.6's
+# Hopper warp specialization fails to compile at 4 warps, so only 8-warp candidates take it. The
+# last candidate of each is the one fp32 operands fit (`_fits_shared_memory`).
+FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 4, True, 2), (128, 256, 64, 8, 4, False, 2),
+                         (128, 256, 64, 8, 3, True, 1), (128, 256, 64, 8, 3, False, 1),
+                         (128, 128, 64, 8, 4, True, 1), (128, 128, 64, 8, 4, False, 1),
+                         (128, 128, 64, 4, 4, False, 1), (128, 128, 128, 8, 3, False, 1),
+                         (128, 128, 32, 8, 3, False, 1))
 DX_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, 4, True), (128, 256, 64, 8, 3, 4, False), (128, 128, 64, 8, 4, 1, True),
                         (128, 128, 64, 8, 4, 1, False), (128, 128, 64, 8, 3, 1, False), (128, 128, 128, 8, 3, 1, False),
                         (128, 128, 32, 8, 3, 1, False))
@@ -142,7 +163,7 @@ def _set_blocks(operands: tuple[tuple[str, ...], ...]):
     return hook
 
 
-_FWD_EXTRAS = ("WARP_SPECIALIZE",)
+_FWD_EXTRAS = ("WARP_SPECIALIZE", "EPILOGUE_SPLIT")
 _DX_EXTRAS = ("EPILOGUE_SPLIT", "WARP_SPECIALIZE")
 
 
@@ -158,7 +179,8 @@ def _configs(shapes, operands, extras) -> list[triton.Config]:
     return configs
 
 
-_FWD_OPERANDS = (("x_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_N", "BLOCK_K"), ("y_desc", "BLOCK_M", "BLOCK_N"))
+_FWD_OPERANDS = (("x_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_N", "BLOCK_K"),
+                 ("y_desc", "BLOCK_M", "BLOCK_N", "EPILOGUE_SPLIT"))
 _DX_OPERANDS = (("dy_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_K", "BLOCK_N"),
                 ("dx_desc", "BLOCK_M", "BLOCK_N", "EPILOGUE_SPLIT"))
 
@@ -249,16 +271,17 @@ def _launch(kernel, tuned_kernel, operands, tensors, rest, num_rows, num_cols, m
     kernel[grid](*args, **sizes, GROUP_M=4, num_warps=4, num_stages=3, **consts)
 
 
-def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None) -> None:
-    """Kernel 2 with the GEMM over TMA into y [T, out]; tiles as in `_launch`."""
+def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None, epilogue_split=1) -> None:
+    """Kernel 2 with the GEMM over TMA into y [T, out]; tiles as in `_launch`, and with `blocks`
+    the store in `epilogue_split` column parts (1 or 2), without warp specialization."""
     _check_supported(lora_b.shape[2], x, weight, y)
     num_tokens, in_size = x.shape
     out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
-    rest = (s, lora_b, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings, num_tokens,
-            out_size, in_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0), lora_b.stride(0),
-            lora_b.stride(1))
+    rest = (s, lora_b, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
+            num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0),
+            lora_b.stride(0), lora_b.stride(1))
     _launch(_lora_train_linear_fwd_tma_kernel, _fwd_tuned, _FWD_OPERANDS, (x, weight, y), rest, num_tokens,
-            out_size, max_rank, blocks, untuned=dict(WARP_SPECIALIZE=False))
+            out_size, max_rank, blocks, untuned=dict(WARP_SPECIALIZE=False, EPILOGUE_SPLIT=epilogue_split))
 
 
 def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None, epilogue_split=2) -> None:

@@ -151,6 +151,38 @@ def test_tma_dx_epilogue_in_column_parts_matches_blas_form(epilogue_split, block
     assert_close("dX", got, want.float(), 1e-4)
 
 
+# Row tiles of 16 over these rows: one adapter (slot 1), slot 1 then none, none at all, one
+# adapter (slot 0, two rows of the batch that merge into one segment), then three adapters in a
+# partial tile. Kernel 2 adds one product to the tiles of one adapter and walks the segments of
+# the mixed ones.
+TILE_ROUTING_CASE = Case(40, 64, 16, (16, 3, 7), (0.0, 0.0, 0.0), (20, 28, 12, 9, 5, 3), (1, -1, 0, 0, 2, 1))
+
+
+@pytest.mark.parametrize("epilogue_split", [1, 2])
+@pytest.mark.parametrize("base_gemm", ["tma", "blas"])
+def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, epilogue_split):
+    from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+
+    if base_gemm == "blas" and epilogue_split == 2:
+        pytest.skip("the store in column parts is the TMA form's")
+    x, weight, _, lora_b, meta, scalings = make_inputs(TILE_ROUTING_CASE)
+    slots = fused.LoRATrainSlots.build(scalings, list(TILE_ROUTING_CASE.dropout_ps), DEVICE)
+    s = torch.randn(x.shape[0], TILE_ROUTING_CASE.max_rank, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    token_segs = fused.token_segments(meta)
+    want = x.cpu() @ weight.cpu().t()
+    for row, slot in enumerate(meta.token_slots.tolist()):
+        if slot >= 0:
+            want[row] += scalings[slot] * (lora_b[slot].cpu() @ s[row].cpu())
+    if base_gemm == "tma":
+        got = torch.full_like(want, float("nan")).to(DEVICE)
+        linear_fwd_tma(x, weight, s, lora_b, got, token_segs, meta, slots, blocks=(16, 32, 32),
+                       epilogue_split=epilogue_split)
+    else:
+        got = fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm="blas",
+                                          blocks=(16, 32, 32))
+    assert_close("y", got.cpu(), want, 1e-5)
+
+
 def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r1-p0"])  # in = 33: 132-byte rows
     slots = fused.LoRATrainSlots.build(scalings, [0.0], x.device)
@@ -591,7 +623,7 @@ from flexserve_kernels import lora_fused_train_bwd as kb
 from flexserve_kernels import lora_fused_train_tma as kt
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
-I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr"}  # kernel 1's counters, keys, windows
+I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr"}  # kernel 1's counters, keys, windows; slots
 
 def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False, fp32=()):
     sig, attrs = {}, {}
