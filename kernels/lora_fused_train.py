@@ -272,8 +272,9 @@ def add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_slots_ptr, toke
     """acc [rows, cols] + scaling * S B^T of each row's adapter (kernel 2's epilogue, the same in
     every form of it). A tile whose rows share one slot adds one product after one load of its
     rows' slots. A mixed tile walks the segments it overlaps, reading each one's start, length and
-    slot in turn: a chain of dependent loads after the main loop, which cost the TMA form 2-2.5%
-    of the base GEMM at 4096 x 4096 when every tile took it (docs/benchmarks.md, session 19)."""
+    slot in turn: a chain of dependent loads after the main loop, which cost the TMA form about
+    1.7% of the base GEMM at 4096 x 4096 and 2048 x 4096 when every tile took it (the same tiles
+    before and after; docs/benchmarks.md, session 19)."""
     slot = tile_slot(token_slots_ptr, rows, M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < max_rank

@@ -64,10 +64,15 @@ def _store_parts(acc, desc, off_m, off_n, PARTS: tl.constexpr):
     if PARTS == 1:
         desc.store([off_m, off_n], acc.to(desc.dtype))
     else:
-        half: tl.constexpr = acc.shape[1] // 2
-        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, half)), (0, 2, 1)))
+        left, right = _column_halves(acc)
         _store_parts(left, desc, off_m, off_n, PARTS // 2)
-        _store_parts(right, desc, off_m, off_n + half, PARTS // 2)
+        _store_parts(right, desc, off_m, off_n + left.shape[1], PARTS // 2)
+
+
+@triton.jit
+def _column_halves(acc):
+    """The left and right column halves of a 2-D tile."""
+    return tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1)))
 
 
 @triton.jit
@@ -113,12 +118,11 @@ def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, s
                                HAS_DROPOUT, False, BLOCK_R)
         dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
     else:
-        half: tl.constexpr = acc.shape[1] // 2
-        left, right = tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, half)), (0, 2, 1)))
+        left, right = _column_halves(acc)
         _dx_parts(left, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
                   seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT,
                   BLOCK_R, PARTS // 2)
-        _dx_parts(right, off_n + half, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr,
+        _dx_parts(right, off_n + left.shape[1], dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr,
                   seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
                   HAS_DROPOUT, BLOCK_R, PARTS // 2)
 
