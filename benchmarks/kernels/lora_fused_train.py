@@ -4,13 +4,15 @@ For n = k in {4096, 5120, 8192}, rank 16, m in {2048, 4096, 8192} tokens, bf16, 
 forward + backward (CUDA events, median of --iters after --warmup calls, which also run the
 autotuner) of one LoRA linear:
   fused       flexserve_kernels.lora_fused_train.fused_lora_linear as it runs by default
-              (base_gemm="auto": the forward's frozen GEMM in whichever of the blas and tma forms
-              below timed faster at this shape, the backward's on cuBLAS);
+              (base_gemm="auto": the forward in whichever of the blas, tma and tma_shrink forms
+              below timed fastest at this shape, the backward's frozen GEMM on cuBLAS);
   fused_blas  base_gemm="blas": Triton for the LoRA kernels, cuBLAS for the frozen GEMMs with the
               LoRA terms as their C operands;
   fused_triton  base_gemm="triton" (the frozen GEMMs in Triton too);
   fused_tma   base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the LoRA products
               in their accumulators: no LoRA term through memory);
+  fused_tma_shrink  base_gemm="tma_shrink" (the tma form with the shrink S = dropout(X) A in the
+              forward GEMM's launch: one launch for the forward);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
   base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to;
   engine      forward only, no dropout: what the server's LoRALinear runs for prefill rows today
@@ -55,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="n = k values (default: LoRAFusion's)")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="m values (default: LoRAFusion's)")
-    p.add_argument("--forms", nargs="+", default=["blas", "triton", "tma"],
+    p.add_argument("--forms", nargs="+", default=["blas", "triton", "tma", "tma_shrink"],
                    help="base_gemm forms timed besides the default (the fused path)")
     p.add_argument("--kernel-table", action="store_true",
                    help="also print each path's CUDA kernels (torch.profiler, ms per step)")
@@ -173,7 +175,7 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
             want = torch_multi(0.0)
     with torch.no_grad():
         errs = {gemm: ((fused(0.0, gemm)().float() - want.float()).abs().max() / want.float().abs().max()).item()
-                for gemm in ("blas", "tma")}
+                for gemm in ("blas", "tma", "tma_shrink")}
 
     engine_scalings = torch.full((adapters,), scaling, dtype=torch.float32, device=device)
 
@@ -202,6 +204,7 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
                  fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"],
+                 fused_tma_shrink_max_rel_err=errs["tma_shrink"],
                  speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
                  fwd_over_base=round(r["fwd_ms"] / base_ms["fwd_ms"], 3))
         if "fwd_bwd_ms" in r:

@@ -1,0 +1,57 @@
+"""Summary table of `lora_fused_train.py`'s JSON lines: the issue's three kernel targets, per case.
+
+For each (adapters, m, n = k) it prints the GPU time (sum of a step's kernels) of the base GEMM's
+forward, each fused form's forward over it, and PEFT's (or the unfused multi-adapter path's)
+forward + backward over the default fused path's; then the averages the targets name: PEFT /
+fused (>= 1.27x on average, never below 1), the fused forward over the base GEMM (<= 1.05x), and
+4 adapters over the unfused path (>= 1.13x).
+
+    python benchmarks/kernels/lora_fused_train_summary.py lora_fused_train.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("jsonl")
+    args = p.parse_args()
+    cases: dict[tuple[int, int, int], dict[str, dict]] = defaultdict(dict)
+    with open(args.jsonl) as f:
+        for line in f:
+            row = json.loads(line)
+            cases[(row["num_adapters"], row["m"], row["n"])][row["path"]] = row
+    forms = sorted({path.removeprefix("fused_") for rows in cases.values() for path in rows
+                    if path.startswith("fused_") and not path.startswith("fused_multi")})
+    print("| adapters | m | n = k | base fwd ms | fused fwd / base | " + " | ".join(f"{f} fwd / base" for f in forms)
+          + " | unfused / fused, fwd+bwd |")
+    print("|" + "---:|" * (6 + len(forms)))
+    speedups: dict[int, list[float]] = defaultdict(list)
+    fwd_over_base: list[float] = []
+    for (adapters, m, n), rows in sorted(cases.items()):
+        fused = "fused" if adapters == 1 else "fused_multi"
+        unfused = "torch_lora" if adapters == 1 else "torch_multi"
+        base = rows["base"]["gpu_fwd_ms"]
+        speedup = rows[unfused]["gpu_fwd_bwd_ms"] / rows[fused]["gpu_fwd_bwd_ms"]
+        speedups[adapters].append(speedup)
+        ratio = rows[fused]["gpu_fwd_ms"] / base
+        if adapters == 1:
+            fwd_over_base.append(ratio)
+        cells = [f"{rows[f'{fused}_{form}']['gpu_fwd_ms'] / base:.3f}" if f"{fused}_{form}" in rows else "-"
+                 for form in forms]
+        print(f"| {adapters} | {m} | {n} | {base:.4f} | {ratio:.3f} | " + " | ".join(cells) + f" | {speedup:.3f} |")
+    for adapters, values in sorted(speedups.items()):
+        print(f"{adapters} adapter(s): unfused / fused fwd+bwd mean {statistics.mean(values):.3f}x, "
+              f"min {min(values):.3f}x, max {max(values):.3f}x")
+    if fwd_over_base:
+        print(f"1 adapter: fused fwd / base GEMM mean {statistics.mean(fwd_over_base):.3f}x, "
+              f"min {min(fwd_over_base):.3f}x, max {max(fwd_over_base):.3f}x")
+
+
+if __name__ == "__main__":
+    main()
