@@ -392,8 +392,7 @@ _linear_term_tuned = triton.autotune(
     configs=gemm_configs(TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
     prune_configs_by={"early_config_prune": prune_by_rank})(
     _lora_train_linear_fwd_kernel)
-BASE_GEMMS = ("blas", "triton", "tma", "tma_shrink")
-KERNEL2_FORMS = BASE_GEMMS[:3]  # the forms of kernel 2 given S (`lora_train_linear_fwd`)
+BASE_GEMMS = ("blas", "triton", "tma")
 
 
 def check_base_gemm(base_gemm: str, choices: tuple[str, ...] = BASE_GEMMS) -> None:
@@ -404,12 +403,9 @@ def check_base_gemm(base_gemm: str, choices: tuple[str, ...] = BASE_GEMMS) -> No
 
 def base_gemm_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, max_rank: int) -> tuple[str, str]:
     """(forward, backward) forms of the frozen GEMMs for `fused_lora_linear`'s base_gemm. "auto":
-    kernel 4 on cuBLAS, and the forward "auto" where the TMA forms run (a CUDA GPU of compute
+    kernel 4 on cuBLAS, and kernel 2 "auto" where its TMA form runs (a CUDA GPU of compute
     capability >= 9.0, ranks up to MAX_TMA_RANK, 16-byte rows of x, W and y: `timed_forward_form`
-    then picks), else "blas". "tma_shrink": the forward of kernels 1 and 2 in one TMA launch
-    (lora_fused_train_tma_shrink), and kernel 4 over TMA. Any other value is both."""
-    if base_gemm == "tma_shrink":
-        return base_gemm, "tma"
+    then picks), else "blas". Any other value is both."""
     if base_gemm != "auto":
         return base_gemm, base_gemm
     from flexserve_kernels.lora_fused_train_tma import tma_forward_runs
@@ -423,30 +419,25 @@ FORWARD_FORM_ROUNDS = 3  # batches per form, the forms alternating
 _QUEUE_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU clock: the host queues a batch behind it
 
 
-def timed_forward_form(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int, token_segs: torch.Tensor) -> str:
-    """The faster forward form here (`lora_train_fwd`): "blas" (kernel 1, then cuBLAS with the LoRA
-    term as C), "tma" (kernel 1, then the persistent Triton GEMM with the term in its epilogue) or
-    "tma_shrink" (S from that GEMM's own x tiles, one launch, where `tma_shrink_runs`), as the
-    autotuner picks tiles. The first call of each
-    (device, token bucket, out, in, rank, dtype, dropout or not) runs each form once (their autotuning),
+def timed_forward_form(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
+                       meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor) -> str:
+    """Kernel 2's faster form here, "blas" (cuBLAS with the LoRA term as C) or "tma" (the persistent
+    Triton GEMM with the term in its epilogue), as the autotuner picks tiles. The first call of each
+    (device, token bucket, out, in, rank, dtype) runs each form once (their autotuning),
     then times FORWARD_FORM_ROUNDS batches of FORWARD_FORM_REPS calls per form, alternating, each
     batch between CUDA events queued behind a GPU sleep so that the events time the GPU and not the
     host's launches (torch.cuda._sleep, private but long-standing); the form of the lower best
     batch is kept, and later calls look it up: only a shape's first call synchronizes. Neither
-    wins everywhere on an H100: the TMA forms save the term's write and read, but their Triton GEMM
-    trails cuBLAS on some grids (docs/benchmarks.md, sessions 18 and 20)."""
-    key = (x.device, triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], lora_b.shape[2], x.dtype,
-           slots.has_dropout)
+    wins everywhere on an H100: the TMA form saves the term's write and read, but its Triton GEMM
+    trails cuBLAS on some grids (docs/benchmarks.md, session 18)."""
+    key = (x.device, triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], lora_b.shape[2], x.dtype)
     form = _FORWARD_FORMS.get(key)
     if form is not None:
         return form
-    from flexserve_kernels.lora_fused_train_tma_shrink import tma_shrink_runs
-
-    forms = ("blas", "tma", "tma_shrink") if tma_shrink_runs(x, weight, lora_b.shape[2]) else ("blas", "tma")
+    forms = ("blas", "tma")
 
     def run(candidate: str) -> None:
-        lora_train_fwd(x, weight, lora_a, lora_b, meta, slots, seed, token_segs, candidate)
+        lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=candidate)
 
     for candidate in forms:
         run(candidate)
@@ -690,8 +681,7 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
                           meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor,
                           *, base_gemm: str = "blas", blocks: tuple[int, int, int] | None = None,
                           autotune: bool | None = None) -> torch.Tensor:
-    """Kernel 2: y [T, out] = x W^T + scaling[slot] * S B[slot]^T, one pass over y, base_gemm one
-    of KERNEL2_FORMS.
+    """Kernel 2: y [T, out] = x W^T + scaling[slot] * S B[slot]^T, one pass over y.
 
     base_gemm "blas": the kernel writes the LoRA term (zero rows for tokens without an adapter)
     and `addmm_` adds x W^T to it in torch's GEMM; "triton": the kernel runs the GEMM too. The
@@ -699,7 +689,7 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
     CUDA), else `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's
     tests).
     """
-    check_base_gemm(base_gemm, KERNEL2_FORMS)
+    check_base_gemm(base_gemm)
     check_launchable(x, _lora_train_linear_fwd_kernel)
     num_tokens, in_size = x.shape
     out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
@@ -728,24 +718,6 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
     return y if has_base else y.addmm_(x, weight.t())
 
 
-def lora_train_fwd(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int, token_segs: torch.Tensor,
-                   form: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused linear's forward, (y, S): kernels 1 and 2 with kernel 2 in `form` (KERNEL2_FORMS),
-    or with "tma_shrink" both in one launch (lora_fused_train_tma_shrink.linear_fwd_tma_shrink)."""
-    if form != "tma_shrink":
-        s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
-        return lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form), s
-    from flexserve_kernels.lora_fused_train_tma_shrink import linear_fwd_tma_shrink
-
-    num_tokens, max_rank = x.shape[0], lora_a.shape[1]
-    s = (torch.empty if meta.covers_all_tokens else torch.zeros)(num_tokens, max_rank, dtype=x.dtype, device=x.device)
-    y = torch.empty(num_tokens, weight.shape[0], dtype=x.dtype, device=x.device)
-    if num_tokens:
-        linear_fwd_tma_shrink(x, weight, lora_a, s, lora_b, y, token_segs, meta, slots, seed)
-    return y, s
-
-
 class FusedLoRALinearFunction(torch.autograd.Function):
     """y = x W^T + scaling * dropout(x) A^T B^T per token's adapter slot; W frozen.
 
@@ -755,10 +727,11 @@ class FusedLoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed, base_gemm):
         token_segs = token_segments(meta)
-        fwd_form, ctx.base_gemm = base_gemm_forms(base_gemm, x, weight, lora_a.shape[1])
-        if fwd_form == "auto":
-            fwd_form = timed_forward_form(x, weight, lora_a, lora_b, meta, slots, seed, token_segs)
-        y, s = lora_train_fwd(x, weight, lora_a, lora_b, meta, slots, seed, token_segs, fwd_form)
+        s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
+        fwd_gemm, ctx.base_gemm = base_gemm_forms(base_gemm, x, weight, lora_a.shape[1])
+        if fwd_gemm == "auto":
+            fwd_gemm = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
+        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=fwd_gemm)
         ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
         ctx.meta, ctx.slots, ctx.seed = meta, slots, seed
         return y
@@ -797,7 +770,7 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tenso
     lora_b [slots, out, r_max] hold each slot's adapter zero-padded to r_max; seed in [0, 2**31)
     fixes the dropout mask, regenerated in backward. base_gemm picks where the frozen GEMMs of
     kernels 2 and 4 run ("blas": torch's GEMM with the LoRA term as its C operand; "triton"; "tma";
-    "tma_shrink": "tma" with kernel 1 inside kernel 2's launch; "auto": `base_gemm_forms`).
+    "auto": `base_gemm_forms`).
     """
     check_base_gemm(base_gemm, BASE_GEMMS + ("auto",))
     if weight.requires_grad:

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from flexserve_kernels.lora_fused_train import (
-    KERNEL2_FORMS,
     LoRATrainSlots,
     check_base_gemm,
     dropout_keep,
@@ -533,7 +532,7 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
     `lora_train_linear_fwd` ("blas": the kernel writes the LoRA term, `addmm_` adds dY W);
     autotuned (DX_TERM_CONFIG_SHAPES, DX_CONFIG_SHAPES) when `autotune` (default: on CUDA), else
     `blocks` = (BLOCK_M, BLOCK_N over in, BLOCK_K over out)."""
-    check_base_gemm(base_gemm, KERNEL2_FORMS)
+    check_base_gemm(base_gemm)
     check_launchable(dy, _lora_train_dx_bwd_kernel)
     num_tokens, out_size = dy.shape
     in_size = weight.shape[1]

@@ -252,14 +252,13 @@ def _check_supported(max_rank: int, *tensors: torch.Tensor) -> None:
 
 
 def _launch(kernel, tuned_kernel, operands, tensors, rest, num_rows, num_cols, max_rank, blocks, untuned=None,
-            full_grid=False, **consts) -> None:
+            **consts) -> None:
     """Launch one of the TMA kernels: descriptors of `tensors` (in `operands`' order and blocks),
     then the `rest` of its arguments, on a persistent grid of at most one program per SM over the
     output's num_rows x num_cols tiles. Autotuned on CUDA unless `blocks` = (BLOCK_M, BLOCK_N,
     BLOCK_K) is given (the interpreter's tests; `untuned` holds that launch's other tile
     constexprs); the autotuner's pre_hook sets each config's descriptor blocks, so the ones built
-    here are placeholders then. full_grid: one program per SM even with fewer tiles (a kernel that
-    takes its tiles from a counter and must know the grid's size)."""
+    here are placeholders then."""
     device = tensors[0].device
     tuned = device.type == "cuda" and blocks is None
     bm, bn, bk = (64, 64, 64) if tuned else blocks or (16, 32, 32)
@@ -268,15 +267,12 @@ def _launch(kernel, tuned_kernel, operands, tensors, rest, num_rows, num_cols, m
     programs = _num_sms(device)
     args = (*descs, *rest, programs)
     consts["BLOCK_R"] = rank_block(max_rank)
-
-    def grid(c):
-        tiles = triton.cdiv(num_rows, c["BLOCK_M"]) * triton.cdiv(num_cols, c["BLOCK_N"])
-        return (programs if full_grid else min(programs, tiles),)
-
     if tuned:
+        grid = lambda c: (min(programs, triton.cdiv(num_rows, c["BLOCK_M"]) * triton.cdiv(num_cols, c["BLOCK_N"])),)  # noqa: E731
         tuned_kernel[grid](*args, **consts)
         return
-    kernel[grid(sizes)](*args, **sizes, GROUP_M=4, num_warps=4, num_stages=3, **consts)
+    grid = (min(programs, triton.cdiv(num_rows, bm) * triton.cdiv(num_cols, bn)),)
+    kernel[grid](*args, **sizes, GROUP_M=4, num_warps=4, num_stages=3, **consts)
 
 
 def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None, epilogue_split=1) -> None:

@@ -127,9 +127,8 @@ def test_forward_and_gradients_match_reference(name, base_gemm):
 TMA_CASE = Case(40, 56, 16, (16, 3, 7), (0.1, 0.0, 0.1), (5, 4, 7, 6, 3, 2), (0, -1, 1, 2, 0, -1))
 
 
-@pytest.mark.parametrize("base_gemm", ["tma", "tma_shrink"])
-def test_tma_form_matches_reference(base_gemm):
-    got, want = run_both(TMA_CASE, base_gemm=base_gemm)
+def test_tma_form_matches_reference():
+    got, want = run_both(TMA_CASE, base_gemm="tma")
     for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert_close(name, g, w, 1e-4)
 
@@ -180,44 +179,6 @@ def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, ep
         got = fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm="blas",
                                           blocks=(16, 32, 32))
     assert_close("y", got.cpu(), want, 1e-5)
-
-
-@pytest.mark.parametrize("epilogue_split", [1, 2])
-def test_fused_shrink_launch_matches_kernels_1_and_2_over_launches(epilogue_split):
-    # base_gemm="tma_shrink": S from the GEMM's x tiles and the output tiles in one launch, over
-    # the tile-routing rows with dropout on two of the three adapters (S of mixed row blocks comes
-    # from one pass per segment). Three launches in a row: each leaves the counter, the row
-    # blocks' counts and the launch number ready for the next, and y and S are right and the same
-    # every time; rows of row blocks without an adapter keep S's prior contents (zeros here), rows
-    # of mixed ones get zeros. The interpreter runs one column tile per row block (its programs
-    # run one after another); the GPU tests below cover many, with the k loop rotated.
-    from flexserve_kernels.lora_fused_train_tma_shrink import fused_sync, linear_fwd_tma_shrink
-
-    case = TILE_ROUTING_CASE
-    x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
-    slots = fused.LoRATrainSlots.build(scalings, [0.1, 0.0, 0.3], DEVICE)
-    token_segs = fused.token_segments(meta)
-    want_s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 9)
-    want_y = fused.lora_train_linear_fwd(x, weight, want_s, lora_b, meta, slots, token_segs, blocks=(16, 32, 32))
-    # First a launch of other rows (2 row blocks, not 5): the sync state's places do not move
-    # with the shape, so its flags are never read as this shape's counts.
-    other = make_inputs(TMA_CASE)
-    other_s = torch.zeros(other[0].shape[0], TMA_CASE.max_rank, device=DEVICE)
-    linear_fwd_tma_shrink(other[0], other[1], other[2], other_s, other[3], torch.empty(other[0].shape[0], TMA_CASE.out_size, device=DEVICE),
-                          fused.token_segments(other[4]), other[4], slots, 9, blocks=(16, 32, 32))
-    sync = fused_sync(x.device, x.shape[0])
-    epoch = int(sync[1])
-    runs = []
-    for launch in range(3):
-        s = torch.zeros_like(want_s)
-        y = torch.full_like(want_y, float("nan"))
-        linear_fwd_tma_shrink(x, weight, lora_a, s, lora_b, y, token_segs, meta, slots, 9, blocks=(16, 32, 32),
-                              epilogue_split=epilogue_split)
-        assert_close("S", s.cpu(), want_s.cpu(), 1e-5)
-        assert_close("y", y.cpu(), want_y.cpu(), 1e-5)
-        assert int(sync[0]) == 0 and int(sync[1]) == epoch + launch + 1 and not bool(sync[2::2].any())
-        runs.append((y, s))
-    assert all(torch.equal(y, runs[0][0]) and torch.equal(s, runs[0][1]) for y, s in runs)
 
 
 def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
@@ -601,10 +562,10 @@ def test_invalid_arguments_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "tma_shrink", "auto"])
+@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "auto"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_gpu_matches_reference(name, base_gemm):
-    if base_gemm.startswith("tma") and CASES[name].max_rank > 32:
+    if base_gemm == "tma" and CASES[name].max_rank > 32:
         pytest.skip("base_gemm='tma' takes ranks up to 32")
     got, want = run_both(CASES[name], torch.bfloat16, scale=8, base_gemm=base_gemm)
     for label, g, w in zip(("y", "dx", "dA", "dB"), got, want):
@@ -614,7 +575,7 @@ def test_bf16_gpu_matches_reference(name, base_gemm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "tma_shrink", "auto"])
+@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "auto"])
 def test_bf16_gpu_autotuned_tiles_four_adapters(base_gemm):
     # Autotuned 64-256-wide tiles over 4 adapters (ranks 16, 8, 16, 4), base rows between them.
     case = Case(128, 96, 16, (16, 8, 16, 4), (0.1, 0.0, 0.05, 0.1), (70, 9, 61, 33, 50), (0, -1, 1, 2, 3))
@@ -652,39 +613,15 @@ def test_gpu_gradients_are_bitwise_reproducible():
         assert torch.equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs a CUDA GPU of compute capability >= 9.0")
-@pytest.mark.parametrize("scale", [8, 32])
-def test_gpu_fused_shrink_launch_is_bitwise_reproducible(scale):
-    # base_gemm="tma_shrink" autotuned: tiles wait for their row block's S while other programs
-    # compute it, so a missing flag, barrier or fence would show as a moving result. 4 adapters
-    # with dropout and base rows (mixed row blocks), 1784 tokens at 1024 x 1024 and 7136 at 4096 x
-    # 4096: y and S the same bits over 20 launches, and within bf16 rounding of kernels 1 and 2.
-    case = Case(128, 128, 16, (16, 8, 16, 4), (0.1, 0.0, 0.05, 0.1), (70, 9, 61, 33, 50), (0, -1, 1, 2, 3))
-    x, weight, lora_a, lora_b, meta, scalings = make_inputs(case, torch.bfloat16, "cuda", scale=scale)
-    slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), "cuda")
-    token_segs = fused.token_segments(meta)
-    want_y, want_s = fused.lora_train_fwd(x, weight, lora_a, lora_b, meta, slots, 77, token_segs, "tma")
-    y, s = fused.lora_train_fwd(x, weight, lora_a, lora_b, meta, slots, 77, token_segs, "tma_shrink")
-    assert_close("S", s, want_s.float(), 3e-2)
-    assert_close("y", y, want_y.float(), 3e-2)
-    for _ in range(20):
-        again_y, again_s = fused.lora_train_fwd(x, weight, lora_a, lora_b, meta, slots, 77, token_segs, "tma_shrink")
-        assert torch.equal(again_y, y) and torch.equal(again_s, s)
-
-
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
 from flexserve_kernels import lora_fused_train as kf
 from flexserve_kernels import lora_fused_train_bwd as kb
 from flexserve_kernels import lora_fused_train_tma as kt
-from flexserve_kernels import lora_fused_train_tma_shrink as ks
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
-# kernel 1's counters, keys, windows; slots; the fused shrink's counter and flags
-I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr", "sync_ptr"}
+I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr"}  # kernel 1's counters, keys, windows; slots
 
 def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False, fp32=()):
     sig, attrs = {}, {}
@@ -780,13 +717,6 @@ for shapes, fn, operands, names, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_t
         for rank in (16, kt.MAX_TMA_RANK):
             compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages, gemm=True,
                         descs={operand[0]: operand for operand in operands})
-# base_gemm="tma_shrink": kernel 2 over TMA computing S too, with and without dropout.
-for c in kt._configs(ks.FUSED_TMA_CONFIG_SHAPES, kt._FWD_OPERANDS, ks._FUSED_EXTRAS):
-    for rank in (r for r in (16, kt.MAX_TMA_RANK) if ks.fused_config_fits(c.kwargs["BLOCK_N"], r)):
-        for dropout in (True, False):
-            compile_one(ks._lora_train_fused_fwd_tma_kernel,
-                        dict(c.kwargs, BLOCK_R=rank, HAS_DROPOUT=dropout, KEY_TABLE=dropout), c.num_warps,
-                        c.num_stages, gemm=True, descs={operand[0]: operand for operand in kt._FWD_OPERANDS})
 print("ok")
 """
 
@@ -811,13 +741,14 @@ def test_benchmark_smoke_writes_json_lines(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["path"] for r in rows) == ["base", "base", "engine", "engine", "fused", "fused_blas", "fused_multi",
-                                               "fused_multi_blas", "fused_multi_tma", "fused_multi_tma_shrink",
-                                               "fused_multi_triton", "fused_tma", "fused_tma_shrink", "fused_triton",
-                                               "torch_lora", "torch_multi"]
+                                               "fused_multi_blas", "fused_multi_tma", "fused_multi_triton", "fused_tma",
+                                               "fused_triton", "kernel1", "kernel1", "kernel2", "kernel2", "torch_lora",
+                                               "torch_multi"]
     assert {r["num_adapters"] for r in rows} == {1, 4}
-    assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_tma_max_rel_err"] < 1e-5
-               and r["fused_tma_shrink_max_rel_err"] < 1e-5 and r["fwd_ms"] > 0
-               and (r["path"] == "engine" or r["fwd_bwd_ms"] > 0) for r in rows)
+    assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_tma_max_rel_err"] < 1e-5 and r["fwd_ms"] > 0
+               and (r["path"] in ("engine", "kernel1", "kernel2") or r["fwd_bwd_ms"] > 0) for r in rows)
+    assert all(r["form"] == "blas" for r in rows if r["path"] == "kernel2")  # "auto" on CPU
+    assert all(r["x_read_gbps"] > 0 for r in rows if r["path"] == "kernel1")
 
 
 def test_batch_without_adapter_tokens_is_the_base_linear():
@@ -868,9 +799,8 @@ def test_auto_base_gemm_takes_tma_forward_only_where_it_runs():
 
     x, weight = torch.zeros(8, 64), torch.zeros(32, 64)
     assert fused.base_gemm_forms("auto", x, weight, 16) == ("blas", "blas")
-    for form in fused.KERNEL2_FORMS:
+    for form in fused.BASE_GEMMS:
         assert fused.base_gemm_forms(form, x, weight, 16) == (form, form)
-    assert fused.base_gemm_forms("tma_shrink", x, weight, 16) == ("tma_shrink", "tma")
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         x, weight = x.cuda().bfloat16(), weight.cuda().bfloat16()
         assert fused.base_gemm_forms("auto", x, weight, MAX_TMA_RANK) == ("auto", "blas")
@@ -888,10 +818,10 @@ def test_gpu_auto_forward_form_is_timed_once_per_shape(monkeypatch):
     monkeypatch.setattr(fused, "_FORWARD_FORMS", {})
     y = fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
     (form,) = fused._FORWARD_FORMS.values()
-    assert form in ("blas", "tma", "tma_shrink")
+    assert form in ("blas", "tma")
     assert torch.equal(y, fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3, base_gemm=form))
     calls = []
-    real = fused.lora_train_fwd
-    monkeypatch.setattr(fused, "lora_train_fwd", lambda *a: calls.append(a[-1]) or real(*a))
+    real = fused.lora_train_linear_fwd
+    monkeypatch.setattr(fused, "lora_train_linear_fwd", lambda *a, **k: calls.append(k["base_gemm"]) or real(*a, **k))
     fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
     assert calls == [form]  # looked up, not timed again

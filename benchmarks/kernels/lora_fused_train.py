@@ -4,20 +4,23 @@ For n = k in {4096, 5120, 8192}, rank 16, m in {2048, 4096, 8192} tokens, bf16, 
 forward + backward (CUDA events, median of --iters after --warmup calls, which also run the
 autotuner) of one LoRA linear:
   fused       flexserve_kernels.lora_fused_train.fused_lora_linear as it runs by default
-              (base_gemm="auto": the forward in whichever of the blas, tma and tma_shrink forms
-              below timed fastest at this shape, the backward's frozen GEMM on cuBLAS);
+              (base_gemm="auto": the forward's frozen GEMM in whichever of the blas and tma forms
+              below timed faster at this shape, the backward's on cuBLAS);
   fused_blas  base_gemm="blas": Triton for the LoRA kernels, cuBLAS for the frozen GEMMs with the
               LoRA terms as their C operands;
   fused_triton  base_gemm="triton" (the frozen GEMMs in Triton too);
   fused_tma   base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the LoRA products
               in their accumulators: no LoRA term through memory);
-  fused_tma_shrink  base_gemm="tma_shrink" (the tma form with the shrink S = dropout(X) A in the
-              forward GEMM's launch: one launch for the forward);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
   base        F.linear alone (forward, and backward to x only: W is frozen), the floor LoRA adds to;
   engine      forward only, no dropout: what the server's LoRALinear runs for prefill rows today
               (F.linear, then the SGMV shrink and the in-place SGMV expand of kernels/lora_ops.py);
-              compare it with the fused forward at --dropout 0.
+              compare it with the fused forward at --dropout 0;
+  kernel1     forward only: the fused path's kernel 1 alone, S = dropout(x) A^T (LoRAFusion's
+              kernel 1, whose floor is one read of x: `x_read_gbps` is that read over its time);
+  kernel2     forward only: the fused path's kernel 2 alone given S, y = x W^T + scaling * S B^T
+              in the form "auto" picked at this shape (LoRAFusion's kernel 2, which the paper
+              fuses "without affecting the base GEMM performance": compare it with base).
 and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_triton) vs torch_multi (the
 unfused path per adapter: base F.linear once, each adapter's LoRA on its rows, one add). Gradients
 are to x, A and B (W frozen) in every LoRA path. Each case also records the fused path's max error
@@ -57,7 +60,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="n = k values (default: LoRAFusion's)")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="m values (default: LoRAFusion's)")
-    p.add_argument("--forms", nargs="+", default=["blas", "triton", "tma", "tma_shrink"],
+    p.add_argument("--forms", nargs="+", default=["blas", "triton", "tma"],
                    help="base_gemm forms timed besides the default (the fused path)")
     p.add_argument("--kernel-table", action="store_true",
                    help="also print each path's CUDA kernels (torch.profiler, ms per step)")
@@ -131,6 +134,29 @@ def step(forward, leaves: list[torch.Tensor], backward: bool):
     return run
 
 
+FORWARD_ONLY = ("engine", "kernel1", "kernel2")
+
+
+def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
+    """(kernel 1 alone, kernel 2 alone given its S, kernel 2's form): the two launches of the fused
+    forward at seed 1234, kernel 2 in the form base_gemm="auto" runs here (timed once per shape)."""
+    from flexserve_kernels.lora_fused_train import (
+        base_gemm_forms,
+        lora_train_linear_fwd,
+        lora_train_shrink_fwd,
+        timed_forward_form,
+        token_segments,
+    )
+
+    token_segs = token_segments(meta)
+    s = lora_train_shrink_fwd(x, lora_a, meta, slots, 1234)
+    form = base_gemm_forms("auto", x, weight, lora_a.shape[1])[0]
+    if form == "auto":
+        form = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
+    return (lambda: lora_train_shrink_fwd(x, lora_a, meta, slots, 1234),
+            lambda: lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form), form)
+
+
 def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> list[dict]:
     from flexserve_kernels.lora_fused_train import LoRATrainSlots, fused_lora_linear
     from flexserve_kernels.lora_meta import LoRAKernelMeta
@@ -175,7 +201,10 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
             want = torch_multi(0.0)
     with torch.no_grad():
         errs = {gemm: ((fused(0.0, gemm)().float() - want.float()).abs().max() / want.float().abs().max()).item()
-                for gemm in ("blas", "tma", "tma_shrink")}
+                for gemm in ("blas", "tma")}
+    kernel1, kernel2, kernel2_form = fused_kernels(x.detach(), weight, lora_a.detach(), lora_b.detach(), meta,
+                                                   LoRATrainSlots.build([scaling] * adapters, [args.dropout] * adapters,
+                                                                        device))
 
     engine_scalings = torch.full((adapters,), scaling, dtype=torch.float32, device=device)
 
@@ -186,10 +215,11 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
 
     paths = {names[0]: (fused(args.dropout), leaves),
              **{f"{names[0]}_{form}": (fused(args.dropout, form), leaves) for form in args.forms},
-             names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x]), "engine": (engine, [])}
+             names[1]: (torch_path, torch_params), "base": (lambda: F.linear(x, weight), [x]), "engine": (engine, []),
+             "kernel1": (kernel1, []), "kernel2": (kernel2, [])}
     rows = []
     for path, (forward, params) in paths.items():
-        backward = path != "engine"
+        backward = path not in FORWARD_ONLY
         row = dict(path=path, fwd_ms=round(time_ms(step(forward, params, False), args.warmup, args.iters, args.smoke), 4))
         if backward:
             row.update(fwd_bwd_ms=round(time_ms(step(forward, params, True), args.warmup, args.iters, args.smoke), 4))
@@ -201,10 +231,13 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
         rows.append(row)
     torch_ms = {r["path"]: r for r in rows}[names[1]]
     base_ms = {r["path"]: r for r in rows}["base"]
+    kernel1_row = {r["path"]: r for r in rows}["kernel1"]
+    kernel1_ms = kernel1_row.get("gpu_fwd_ms") or kernel1_row["fwd_ms"]
+    kernel1_row.update(x_read_gbps=float(f"{x.numel() * x.element_size() / kernel1_ms / 1e6:.4g}"))
+    {r["path"]: r for r in rows}["kernel2"].update(form=kernel2_form)
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
                  fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"],
-                 fused_tma_shrink_max_rel_err=errs["tma_shrink"],
                  speedup_fwd_vs_torch=round(torch_ms["fwd_ms"] / r["fwd_ms"], 3),
                  fwd_over_base=round(r["fwd_ms"] / base_ms["fwd_ms"], 3))
         if "fwd_bwd_ms" in r:
