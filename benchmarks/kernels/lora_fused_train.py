@@ -229,12 +229,11 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
             if backward:
                 row.update(gpu_fwd_bwd_ms=round(kernel_ms(step(forward, params, True), args.iters, label), 4))
         rows.append(row)
-    torch_ms = {r["path"]: r for r in rows}[names[1]]
-    base_ms = {r["path"]: r for r in rows}["base"]
-    kernel1_row = {r["path"]: r for r in rows}["kernel1"]
-    kernel1_ms = kernel1_row.get("gpu_fwd_ms") or kernel1_row["fwd_ms"]
-    kernel1_row.update(x_read_gbps=float(f"{x.numel() * x.element_size() / kernel1_ms / 1e6:.4g}"))
-    {r["path"]: r for r in rows}["kernel2"].update(form=kernel2_form)
+    by_path = {r["path"]: r for r in rows}
+    torch_ms, base_ms = by_path[names[1]], by_path["base"]
+    kernel1_ms = by_path["kernel1"].get("gpu_fwd_ms") or by_path["kernel1"]["fwd_ms"]
+    by_path["kernel1"].update(x_read_gbps=float(f"{x.numel() * x.element_size() / kernel1_ms / 1e6:.4g}"))
+    by_path["kernel2"].update(form=kernel2_form)
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
                  fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"],
