@@ -456,6 +456,16 @@ def timed_forward_form(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, l
     return form
 
 
+def run_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
+              meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor) -> tuple[str, str]:
+    """The (forward, backward) forms that `fused_lora_linear` runs for base_gemm here:
+    `base_gemm_forms`, with an "auto" forward settled by `timed_forward_form` (given kernel 1's S)."""
+    forward, backward = base_gemm_forms(base_gemm, x, weight, lora_b.shape[2])
+    if forward == "auto":
+        forward = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
+    return forward, backward
+
+
 def token_segments(meta: LoRAKernelMeta) -> torch.Tensor:
     """[T] int32: each token's segment index in meta, -1 for tokens without an adapter (no sync);
     built once per meta (`meta.token_segs`) and shared by every layer of the step."""
@@ -728,9 +738,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed, base_gemm):
         token_segs = token_segments(meta)
         s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
-        fwd_gemm, ctx.base_gemm = base_gemm_forms(base_gemm, x, weight, lora_a.shape[1])
-        if fwd_gemm == "auto":
-            fwd_gemm = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
+        fwd_gemm, ctx.base_gemm = run_forms(base_gemm, x, weight, s, lora_b, meta, slots, token_segs)
         y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=fwd_gemm)
         ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
         ctx.meta, ctx.slots, ctx.seed = meta, slots, seed

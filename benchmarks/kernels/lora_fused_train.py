@@ -140,19 +140,11 @@ FORWARD_ONLY = ("engine", "kernel1", "kernel2")
 def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
     """(kernel 1 alone, kernel 2 alone given its S, kernel 2's form): the two launches of the fused
     forward at seed 1234, kernel 2 in the form base_gemm="auto" runs here (timed once per shape)."""
-    from flexserve_kernels.lora_fused_train import (
-        base_gemm_forms,
-        lora_train_linear_fwd,
-        lora_train_shrink_fwd,
-        timed_forward_form,
-        token_segments,
-    )
+    from flexserve_kernels.lora_fused_train import lora_train_linear_fwd, lora_train_shrink_fwd, run_forms, token_segments
 
     token_segs = token_segments(meta)
     s = lora_train_shrink_fwd(x, lora_a, meta, slots, 1234)
-    form = base_gemm_forms("auto", x, weight, lora_a.shape[1])[0]
-    if form == "auto":
-        form = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
+    form = run_forms("auto", x, weight, s, lora_b, meta, slots, token_segs)[0]
     return (lambda: lora_train_shrink_fwd(x, lora_a, meta, slots, 1234),
             lambda: lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form), form)
 
