@@ -563,20 +563,35 @@ def shrink_split_plan(meta: LoRAKernelMeta, in_size: int, max_rank: int, block_m
     return k_per_split, triton.cdiv(in_size, k_per_split)
 
 
-_SHRINK_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_SCRATCH: dict[tuple[str, torch.device, int, torch.dtype], torch.Tensor] = {}
 
 
-def shrink_counters(device: torch.device, num_tokens: int) -> torch.Tensor:
-    """Kernel 1's split counters: int32, one per token (a row tile counts at its first row), zero
-    between launches (the last program of a tile resets its counter), so they are zeroed once and
-    cached per device and stream (launches on one stream never overlap)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    counters = _SHRINK_COUNTERS.get(key)
-    if counters is None or counters.numel() < num_tokens:
-        counters = torch.zeros(max(1024, triton.next_power_of_2(num_tokens)), dtype=torch.int32, device=device)
-        _SHRINK_COUNTERS[key] = counters
-    return counters
+def current_stream_handle(device: torch.device) -> int:
+    """The current CUDA stream's handle on device (0 on CPU): `launch_scratch`'s key, asked the
+    way Triton's launcher asks it (a raw handle, without building a torch Stream: microseconds
+    less per launch)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.get_current_stream(index)
+
+
+def launch_scratch(owner: str, device: torch.device, count: int, dtype: torch.dtype = torch.int32,
+                   stream: int | None = None) -> torch.Tensor:
+    """A kernel's scratch buffer of at least `count` elements (`owner`: "shrink", kernel 1's
+    split counters by token; "tma_tail" and "tma_tail_parts", kernel 2's tail-split counters by
+    tile and fp32 partial tiles), zeroed once and cached per owner, device, stream and dtype, so a
+    launch allocates nothing: launches on one stream never overlap, and counters stay zero between
+    launches because the last program of each split resets its own. `stream`: the current
+    stream's handle where the caller has it (`current_stream_handle`; asking costs microseconds)."""
+    if stream is None:
+        stream = current_stream_handle(device)
+    key = (owner, device, stream, dtype)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < count:
+        buffer = torch.zeros(max(1024, triton.next_power_of_2(count)), dtype=dtype, device=device)
+        _SCRATCH[key] = buffer
+    return buffer
 
 
 _COLUMN_KEYS: dict[torch.device, torch.Tensor] = {}
@@ -673,7 +688,7 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     split = num_splits > 1
     if split:
         part = torch.empty(num_splits, num_tokens, max_rank, dtype=torch.float32, device=x.device)
-        counters = shrink_counters(x.device, num_tokens)
+        counters = launch_scratch("shrink", x.device, num_tokens)
     else:
         part = counters = s  # not read
     grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_splits)

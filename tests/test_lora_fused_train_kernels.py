@@ -181,6 +181,70 @@ def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, ep
     assert_close("y", got.cpu(), want, 1e-5)
 
 
+@pytest.mark.parametrize("num_tiles, programs, k_blocks, want", [
+    (10, 4, 8, (8, 2, 2)),  # a tail of 2 on 4 programs: 2 K parts each
+    (5, 4, 8, (4, 1, 4)),  # a tail of 1: 4 parts (MAX_TAIL_SPLIT)
+    (7, 4, 8, (7, 3, 1)),  # a tail of 3: no room for a second part
+    (8, 4, 8, (8, 0, 1)),  # full rounds
+    (2, 4, 8, (0, 2, 2)),  # fewer tiles than programs: all of them split
+    (320, 132, 64, (264, 56, 2)),  # 2048 x 5120 in 128 x 256 tiles on an H100
+    (320, 132, 16, (264, 56, 2)),  # parts of 8 steps (min_part 8 below)
+    (320, 132, 8, (320, 56, 1)),  # too few K steps to split
+])
+def test_tail_plan_splits_only_what_idle_programs_can_take(num_tiles, programs, k_blocks, want):
+    from flexserve_kernels.lora_fused_train_tma import tail_plan_of
+
+    assert tail_plan_of(num_tiles, programs, k_blocks, 8 if programs == 132 else 1, DEVICE) == want
+
+
+@pytest.mark.parametrize("rows, out_size, in_size, split", [(77, 64, 128, 2), (77, 32, 136, 4), (112, 32, 128, 1)])
+def test_tma_forward_splits_tail_tiles_over_k(rows, out_size, in_size, split):
+    # Kernel 2 over TMA, 16 x 32 x 32 tiles on the interpreter's 4 programs (CUDA: one per SM),
+    # parts of at least one K step: 5 x 2 tiles leave a tail of 2 tiles split in 2 parts, 5 x 1 a
+    # tail of 1 split in 4 (two steps each of in = 136's five: the last part is empty), 7 x 1 a
+    # tail of 3, not split. Rows of two adapters and none. A split sums its parts in another
+    # order than one pass over K (two steps each, then the parts), so in the interpreter y differs
+    # in the last bits from the unsplit launch exactly when it splits; the counters are zero after.
+    from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, in_size, generator=g).to(DEVICE)
+    weight = torch.randn(out_size, in_size, generator=g).to(DEVICE)
+    lora_b = torch.randn(2, out_size, 16, generator=g).to(DEVICE)
+    s = torch.randn(rows, 16, generator=g).to(DEVICE)
+    meta = LoRAKernelMeta.build([30, 20, rows - 50], [1, -1, 0], DEVICE)
+    slots = fused.LoRATrainSlots.build([2.0, 0.5], [0.0, 0.0], DEVICE)
+    token_segs = fused.token_segments(meta)
+    want = x.cpu().double() @ weight.cpu().double().t()
+    for row, slot in enumerate(meta.token_slots.tolist()):
+        if slot >= 0:
+            want[row] += [2.0, 0.5][slot] * (lora_b[slot].cpu().double() @ s[row].cpu().double())
+    got, whole = (torch.full((rows, out_size), float("nan"), device=DEVICE) for _ in range(2))
+    linear_fwd_tma(x, weight, s, lora_b, got, token_segs, meta, slots, blocks=(16, 32, 32), min_part_k_blocks=1)
+    linear_fwd_tma(x, weight, s, lora_b, whole, token_segs, meta, slots, blocks=(16, 32, 32), min_part_k_blocks=99)
+    assert_close("y", got.cpu(), want.float(), 1e-5)
+    assert_close("y unsplit", whole.cpu(), want.float(), 1e-5)
+    assert not bool(fused.launch_scratch("tma_tail", x.device, 4).any())
+    if INTERPRETED:
+        assert torch.equal(got, whole) == (split == 1)
+
+
+def test_launch_scratch_is_cached_zeroed_and_grown_per_owner_and_stream():
+    device = torch.device(DEVICE)
+    first = fused.launch_scratch("test-owner", device, 10)
+    assert first.numel() >= 10 and first.dtype == torch.int32 and not bool(first.any())
+    assert fused.launch_scratch("test-owner", device, 5) is first
+    assert fused.launch_scratch("test-owner", device, 5000).numel() >= 5000
+    assert fused.launch_scratch("test-other", device, 5, torch.float32).dtype == torch.float32
+    if device.type == "cuda":
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert fused.current_stream_handle(device) == side.cuda_stream
+            assert fused.launch_scratch("test-owner", device, 5) is not fused._SCRATCH[
+                ("test-owner", device, torch.cuda.default_stream(device).cuda_stream, torch.int32)]
+        assert fused.current_stream_handle(device) == torch.cuda.current_stream(device).cuda_stream
+
+
 def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r1-p0"])  # in = 33: 132-byte rows
     slots = fused.LoRATrainSlots.build(scalings, [0.0], x.device)
@@ -241,7 +305,7 @@ def shrink_split_check(case: Case, num_splits: int, want_splits: int, seed: int 
         assert bool((s[meta.token_slots == slot, rank:] == 0).all())
     assert torch.equal(run(), s)
     assert torch.equal(run(key_table=False), s)
-    assert not bool(fused.shrink_counters(x.device, x.shape[0]).any())
+    assert not bool(fused.launch_scratch("shrink", x.device, x.shape[0]).any())
     return s
 
 
@@ -325,7 +389,7 @@ def test_window_shrink_applies_each_windows_mask(kwargs):
         torch.testing.assert_close(s, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(s, ref.lora_window_shrink_ref(x, lora_a, meta, windows, group), rtol=1e-6,
                                    atol=1e-6)
-    assert not bool(fused.shrink_counters(x.device, x.shape[0]).any())
+    assert not bool(fused.launch_scratch("shrink", x.device, x.shape[0]).any())
 
 
 def test_window_shrink_ranks_and_no_dropout():
@@ -600,7 +664,7 @@ def test_gpu_split_shrink_bf16_is_reproducible(max_rank):
     assert_close("S", first, want, 3e-2)
     assert bool((first[meta.token_slots < 0] == 0).all())
     assert all(torch.equal(fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 5), first) for _ in range(20))
-    assert not bool(fused.shrink_counters(x.device, x.shape[0]).any())
+    assert not bool(fused.launch_scratch("shrink", x.device, x.shape[0]).any())
     for kwargs in (dict(num_splits=1), dict(num_splits=3, block_m=32), dict(per_sm=8, key_table=False)):
         assert_close(f"S {kwargs}", fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 5, **kwargs), want, 3e-2)
 
@@ -710,7 +774,7 @@ for accumulate in (False, True):
 compile_one(kb._sum_parts_kernel, dict(BLOCK=kb.SUM_BLOCK, UNROLL=kb.SUM_UNROLL), 2, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
 for shapes, fn, operands, names, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel,
-                                           kt._FWD_OPERANDS, kt._FWD_EXTRAS, {}),
+                                           kt._FWD_OPERANDS, kt._FWD_EXTRAS, {"MIN_PART": kt.MIN_PART_K_BLOCKS}),
                                           (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
                                            kt._DX_EXTRAS, {"HAS_DROPOUT": True})):
     for c in kt._configs(shapes, operands, names):

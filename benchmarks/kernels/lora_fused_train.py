@@ -20,7 +20,10 @@ autotuner) of one LoRA linear:
               kernel 1, whose floor is one read of x: `x_read_gbps` is that read over its time);
   kernel2     forward only: the fused path's kernel 2 alone given S, y = x W^T + scaling * S B^T
               in the form "auto" picked at this shape (LoRAFusion's kernel 2, which the paper
-              fuses "without affecting the base GEMM performance": compare it with base).
+              fuses "without affecting the base GEMM performance": compare it with base); on a
+              Hopper GPU it also records the TMA form's autotuned tiles and tail split
+              (`tma_tiles`, `tma_tail_tiles`, `tma_tail_split`: kernel 2's last round of tiles
+              split over K where SMs would idle);
 and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_triton) vs torch_multi (the
 unfused path per adapter: base F.linear once, each adapter's LoRA on its rows, one add). Gradients
 are to x, A and B (W frozen) in every LoRA path. Each case also records the fused path's max error
@@ -138,15 +141,21 @@ FORWARD_ONLY = ("engine", "kernel1", "kernel2")
 
 
 def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
-    """(kernel 1 alone, kernel 2 alone given its S, kernel 2's form): the two launches of the fused
-    forward at seed 1234, kernel 2 in the form base_gemm="auto" runs here (timed once per shape)."""
+    """(kernel 1 alone, kernel 2 alone given its S, kernel 2's form, the TMA form's tiles and tail
+    plan on a Hopper GPU, else {}): the two launches of the fused forward at seed 1234, kernel 2 in
+    the form base_gemm="auto" runs here (timed once per shape)."""
     from flexserve_kernels.lora_fused_train import lora_train_linear_fwd, lora_train_shrink_fwd, run_forms, token_segments
+    from flexserve_kernels.lora_fused_train_tma import last_forward_plan, tma_forward_runs
 
     token_segs = token_segments(meta)
     s = lora_train_shrink_fwd(x, lora_a, meta, slots, 1234)
     form = run_forms("auto", x, weight, s, lora_b, meta, slots, token_segs)[0]
+    plan = {}
+    if x.is_cuda and tma_forward_runs(x, weight, lora_b.shape[2]):
+        lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm="tma")
+        plan = last_forward_plan(x.shape[0], weight.shape[0], x.shape[1], x.device)
     return (lambda: lora_train_shrink_fwd(x, lora_a, meta, slots, 1234),
-            lambda: lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form), form)
+            lambda: lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=form), form, plan)
 
 
 def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> list[dict]:
@@ -194,7 +203,7 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     with torch.no_grad():
         errs = {gemm: ((fused(0.0, gemm)().float() - want.float()).abs().max() / want.float().abs().max()).item()
                 for gemm in ("blas", "tma")}
-    kernel1, kernel2, kernel2_form = fused_kernels(x.detach(), weight, lora_a.detach(), lora_b.detach(), meta,
+    kernel1, kernel2, kernel2_form, tma_plan = fused_kernels(x.detach(), weight, lora_a.detach(), lora_b.detach(), meta,
                                                    LoRATrainSlots.build([scaling] * adapters, [args.dropout] * adapters,
                                                                         device))
 
@@ -226,6 +235,7 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     kernel1_ms = by_path["kernel1"].get("gpu_fwd_ms") or by_path["kernel1"]["fwd_ms"]
     by_path["kernel1"].update(x_read_gbps=float(f"{x.numel() * x.element_size() / kernel1_ms / 1e6:.4g}"))
     by_path["kernel2"].update(form=kernel2_form)
+    by_path["kernel2"].update({f"tma_{key}": value for key, value in tma_plan.items()})
     for r in rows:
         r.update(m=m, n=n, k=k, rank=rank, num_adapters=adapters, dropout=args.dropout, dtype=str(dtype),
                  fused_max_rel_err=errs["blas"], fused_tma_max_rel_err=errs["tma"],
