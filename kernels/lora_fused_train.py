@@ -568,25 +568,20 @@ _SCRATCH: dict[tuple[str, torch.device, int, torch.dtype], torch.Tensor] = {}
 
 def current_stream_handle(device: torch.device) -> int:
     """The current CUDA stream's handle on device (0 on CPU): `launch_scratch`'s key, asked the
-    way Triton's launcher asks it (a raw handle, without building a torch Stream: microseconds
-    less per launch)."""
+    way Triton's launcher asks it (a raw handle, no torch Stream object built)."""
     if device.type != "cuda":
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     return triton.runtime.driver.active.get_current_stream(index)
 
 
-def launch_scratch(owner: str, device: torch.device, count: int, dtype: torch.dtype = torch.int32,
-                   stream: int | None = None) -> torch.Tensor:
+def launch_scratch(owner: str, device: torch.device, count: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """A kernel's scratch buffer of at least `count` elements (`owner`: "shrink", kernel 1's
     split counters by token; "tma_tail" and "tma_tail_parts", kernel 2's tail-split counters by
     tile and fp32 partial tiles), zeroed once and cached per owner, device, stream and dtype, so a
     launch allocates nothing: launches on one stream never overlap, and counters stay zero between
-    launches because the last program of each split resets its own. `stream`: the current
-    stream's handle where the caller has it (`current_stream_handle`; asking costs microseconds)."""
-    if stream is None:
-        stream = current_stream_handle(device)
-    key = (owner, device, stream, dtype)
+    launches because the last program of each split resets its own."""
+    key = (owner, device, current_stream_handle(device), dtype)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < count:
         buffer = torch.zeros(max(1024, triton.next_power_of_2(count)), dtype=dtype, device=device)

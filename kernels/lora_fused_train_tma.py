@@ -11,8 +11,8 @@ grid is persistent (one program per SM walking the output tiles in grouped order
 is the same LoRA code as the pointer forms, and the tile is written once through a descriptor.
 Kernel 2 splits the tiles of a last round that would leave SMs idle over K (`tail_plan`: a
 stream-K-style tail whose parts sum through fp32 partials, the last part to arrive in fixed
-order, no program waiting), which took 2048 x 5120 from 1.21x to 1.11x cuBLAS's time
-(docs/benchmarks.md, session 21).
+order, no program waiting), which took 2048 x 5120 from 1.21x to 1.11x cuBLAS's time on an
+H200 (docs/benchmarks.md, session 21).
 Compared with base_gemm="blas" (cuBLAS with the LoRA term as its C operand) this saves the term's
 write and read, [T, out] (kernel 2) and [T, in] (kernel 4) in 16 bits each; it only pays where
 this GEMM keeps up with cuBLAS (docs/benchmarks.md says where it did).
@@ -27,17 +27,16 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flexserve_kernels.lora_fused_train import (add_lora_fwd_term, current_stream_handle, grouped_tile, kernel_seed,
-                                                launch_scratch, rank_block)
+from flexserve_kernels.lora_fused_train import (add_lora_fwd_term, grouped_tile, kernel_seed, launch_scratch,
+                                                rank_block)
 from flexserve_kernels.lora_fused_train_bwd import add_lora_dx_term
 
 
 # Kernel 2's tail split (`tail_plan`): at most MAX_TAIL_SPLIT K parts per tail tile, each at least
 # MIN_PART_K_BLOCKS steps of BLOCK_K (the launchers' default; the interpreter's tests take 1, to
 # split their small K).
-MAX_TAIL_SPLIT = 4
+MAX_TAIL_SPLIT = tl.constexpr(4)
 MIN_PART_K_BLOCKS = 16
-_MAX_TAIL_SPLIT = tl.constexpr(MAX_TAIL_SPLIT)
 # The partial tiles go through memory in this many column parts (registers: see _store_columns).
 PART_COLUMN_SPLIT = tl.constexpr(2)
 
@@ -103,7 +102,7 @@ def tail_plan(num_tiles, num_programs, k_blocks, MIN_PART: tl.constexpr):
     tail = num_tiles % num_programs
     split = 1
     if tail > 0:
-        split = max(1, min(min(num_programs // tail, _MAX_TAIL_SPLIT), k_blocks // MIN_PART))
+        split = max(1, min(min(num_programs // tail, MAX_TAIL_SPLIT), k_blocks // MIN_PART))
     whole = num_tiles
     if split > 1:
         whole = num_tiles - tail
@@ -425,9 +424,8 @@ def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None
     # largest candidate tile when autotuned.
     programs = _num_sms(x.device)
     tile = blocks[0] * blocks[1] if blocks else _LARGEST_FWD_TILE
-    stream = current_stream_handle(x.device)
-    part = launch_scratch("tma_tail_parts", x.device, programs * tile, torch.float32, stream)
-    counters = launch_scratch("tma_tail", x.device, programs, stream=stream)
+    part = launch_scratch("tma_tail_parts", x.device, programs * tile, torch.float32)
+    counters = launch_scratch("tma_tail", x.device, programs)
     rest = (s, lora_b, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
             part, counters, num_tokens, out_size, in_size, max_rank,
             triton.next_power_of_2(num_tokens), s.stride(0), lora_b.stride(0), lora_b.stride(1))

@@ -181,20 +181,20 @@ def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, ep
     assert_close("y", got.cpu(), want, 1e-5)
 
 
-@pytest.mark.parametrize("num_tiles, programs, k_blocks, want", [
-    (10, 4, 8, (8, 2, 2)),  # a tail of 2 on 4 programs: 2 K parts each
-    (5, 4, 8, (4, 1, 4)),  # a tail of 1: 4 parts (MAX_TAIL_SPLIT)
-    (7, 4, 8, (7, 3, 1)),  # a tail of 3: no room for a second part
-    (8, 4, 8, (8, 0, 1)),  # full rounds
-    (2, 4, 8, (0, 2, 2)),  # fewer tiles than programs: all of them split
-    (320, 132, 64, (264, 56, 2)),  # 2048 x 5120 in 128 x 256 tiles on an H100
-    (320, 132, 16, (264, 56, 2)),  # parts of 8 steps (min_part 8 below)
-    (320, 132, 8, (320, 56, 1)),  # too few K steps to split
+@pytest.mark.parametrize("num_tiles, programs, k_blocks, min_part, want", [
+    (10, 4, 8, 1, (8, 2, 2)),  # a tail of 2 on 4 programs: 2 K parts each
+    (5, 4, 8, 1, (4, 1, 4)),  # a tail of 1: 4 parts (MAX_TAIL_SPLIT)
+    (7, 4, 8, 1, (7, 3, 1)),  # a tail of 3: no room for a second part
+    (8, 4, 8, 1, (8, 0, 1)),  # full rounds
+    (2, 4, 8, 1, (0, 2, 2)),  # fewer tiles than programs: all of them split
+    (320, 132, 64, 16, (264, 56, 2)),  # 2048 x 5120 in 128 x 256 x 64 tiles on an H100
+    (320, 132, 16, 8, (264, 56, 2)),  # parts of exactly min_part steps
+    (320, 132, 8, 16, (320, 56, 1)),  # too few K steps to split
 ])
-def test_tail_plan_splits_only_what_idle_programs_can_take(num_tiles, programs, k_blocks, want):
+def test_tail_plan_splits_only_what_idle_programs_can_take(num_tiles, programs, k_blocks, min_part, want):
     from flexserve_kernels.lora_fused_train_tma import tail_plan_of
 
-    assert tail_plan_of(num_tiles, programs, k_blocks, 8 if programs == 132 else 1, DEVICE) == want
+    assert tail_plan_of(num_tiles, programs, k_blocks, min_part, DEVICE) == want
 
 
 @pytest.mark.parametrize("rows, out_size, in_size, split", [(77, 64, 128, 2), (77, 32, 136, 4), (112, 32, 128, 1)])
