@@ -349,14 +349,17 @@ def compile_check(arch: int = 90) -> list[dict]:
     group = shape["num_heads"] // shape["num_kv_heads"]
     attn_ptrs = dict(q_ptr="bf16", k_cache_ptr="bf16", v_cache_ptr="bf16", out_ptr="bf16",
                      query_start_loc_ptr="i32", seq_lens_ptr="i32", block_tables_ptr="i32",
-                     part_out_ptr="fp32", part_lse_ptr="fp32")
+                     tile_map_ptr="i32", part_out_ptr="fp32", part_lse_ptr="fp32")
     rows = []
     for head_dim in (64, 128, 256):
         bm, bn, warps, stages = paged_attention._prefill_config(head_dim, bf16, 4096)
-        rows.append(build(f"prefill d{head_dim} m{bm} n{bn}", paged_attention._paged_attention_kernel, attn_ptrs,
-                          dict(QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE,
-                               SKIP_DECODE_ROWS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim),
-                          floats=("scale_log2",), num_warps=warps, num_stages=stages))
+        for tile_map in (False, True):  # the grid of eager steps and of CUDA-graph buckets
+            rows.append(build(f"prefill d{head_dim} m{bm} n{bn}{' tile-map' if tile_map else ''}",
+                              paged_attention._paged_attention_kernel, attn_ptrs,
+                              dict(QUERIES_PER_KV=group, HEAD_DIM=head_dim, BLOCK_SIZE=BLOCK_SIZE,
+                                   SKIP_DECODE_ROWS=True, USE_TILE_MAP=tile_map, BLOCK_M=bm,
+                                   BLOCK_N=bn, BLOCK_D=head_dim),
+                              floats=("scale_log2",), num_warps=warps, num_stages=stages))
         bn, warps, stages = decode_attention._decode_config(head_dim, bf16)
         for splits in (1, 16):
             rows.append(build(f"decode d{head_dim} n{bn} splits{splits}", decode_attention._decode_attention_kernel,

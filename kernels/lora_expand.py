@@ -12,20 +12,36 @@ import triton.language as tl
 
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 from flexserve_kernels.lora_ref import check_expand_args
-from flexserve_kernels.lora_shrink import block_arg, busy_tiles, check_launchable, target_programs
+from flexserve_kernels.lora_shrink import (
+    block_arg,
+    busy_tiles,
+    check_launchable,
+    target_programs,
+    tile_map_args,
+)
 
 
 @triton.jit
 def _lora_expand_sgmv_kernel(
-    s_ptr, b_ptr, y_ptr, scaling_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    out_size, max_rank,
+    s_ptr, b_ptr, y_ptr, scaling_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_map_ptr,
+    out_size, max_rank, num_map_tiles,
     stride_sm, stride_bs, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,
 ):
-    # Grid: (segment, token tile, output tile); token tiles past a segment's end exit here.
-    seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
+    # Grid: (segment, token tile, output tile); token tiles past a segment's end exit here. With a
+    # tile map (CUDA graphs): (map entry, output tile), entry i naming its segment and token
+    # tile, -1 empty.
+    if USE_TILE_MAP:
+        seg = tl.load(tile_map_ptr + tl.program_id(0))
+        if seg < 0:
+            return
+        pid_m = tl.load(tile_map_ptr + num_map_tiles + tl.program_id(0))
+        pid_n = tl.program_id(1)
+    else:
+        seg = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(2)
     seg_len = tl.load(seg_lens_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
@@ -121,6 +137,8 @@ def lora_expand_sgmv(
     # tl.dot needs K >= 16: ranks below 16 are padded (masked); ranks above 64 loop in 64s.
     block_r = block_arg("block_r", block_r, 16) or min(max(16, triton.next_power_of_2(max_rank)), 64)
     block_m = block_arg("block_m", block_m, 16) or min(max(16, triton.next_power_of_2(meta.max_seg_len)), 64)
+    if meta.tile_map is not None:
+        block_m = meta.tile_block_m
     num_m_tiles = triton.cdiv(meta.max_seg_len, block_m)
     if block_n is None:
         # 128 outputs (256 bytes of a 16-bit y row) per tile, halved down to 32 while the busy
@@ -131,12 +149,17 @@ def lora_expand_sgmv(
             block_n //= 2
     else:
         block_arg("block_n", block_n, 16)
-    grid = (meta.num_segments, num_m_tiles, triton.cdiv(out_size, block_n))
+    tile_map, num_map_tiles = tile_map_args(meta)
+    if tile_map is None:
+        grid = (meta.num_segments, num_m_tiles, triton.cdiv(out_size, block_n))
+    else:
+        grid = (num_map_tiles, triton.cdiv(out_size, block_n))
     _lora_expand_sgmv_kernel[grid](
         s, lora_b, y, scaling, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-        out_size, max_rank,
+        meta.seg_lens if tile_map is None else tile_map,  # any pointer when unused
+        out_size, max_rank, num_map_tiles,
         s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, USE_TILE_MAP=tile_map is not None,
         # ptxas (sm_90, triton 3.9): 64 x 128 spills at 4 warps, 160 registers at 8; 32 x 128 with
         # rank 64 spills at 4. 8 warps from 4096 accumulator elements.
         num_warps=8 if block_m * block_n >= 4096 else 4, num_stages=2,

@@ -29,6 +29,12 @@ class LoRAKernelMeta:
     token_segs: torch.Tensor | None = None
     # tokens with an adapter (host side); None: unknown (a kernel writing every row zeroes first)
     num_lora_tokens: int | None = None
+    # [2, N] int32 (CUDA graphs): the SGMV kernels' token tiles as (segment, tile) pairs, row 0
+    # the segments (-1: an empty entry), row 1 the tiles, so their grid is N whatever the batch;
+    # built by `segment_tile_map` with `tile_block_m` tokens a tile. None: the grid follows the
+    # batch (segments x tiles of the longest)
+    tile_map: torch.Tensor | None = None
+    tile_block_m: int = 0
 
     @property
     def num_segments(self) -> int:
@@ -85,6 +91,28 @@ class LoRAKernelMeta:
             slots=frozenset(slots),
             num_lora_tokens=sum(lens),
         )
+
+
+def segment_tile_map(lens: np.ndarray, block_m: int, num_entries: int,
+                     last_tile_first: bool = False) -> np.ndarray:
+    """[2, num_entries] int32: (row, tile) of every `block_m`-token tile of rows with `lens[row]`
+    tokens, longest rows' tiles first (with `last_tile_first`, a row's tiles from its last:
+    causal attention's heaviest), then (-1, 0) entries. ValueError when they do not fit."""
+    lens = np.asarray(lens, dtype=np.int64)
+    tiles = -(-lens // block_m)
+    total = int(tiles.sum())
+    if total > num_entries:
+        raise ValueError(f"{total} tiles of {block_m} tokens do not fit a map of {num_entries}")
+    out = np.zeros((2, num_entries), dtype=np.int32)
+    out[0, total:] = -1
+    order = np.argsort(-lens, kind="stable")
+    rows = np.repeat(order, tiles[order])
+    firsts = np.repeat(np.cumsum(tiles[order]) - tiles[order], tiles[order])
+    out[0, :total] = rows
+    out[1, :total] = np.arange(total) - firsts
+    if last_tile_first:
+        out[1, :total] = tiles[rows] - 1 - out[1, :total]
+    return out
 
 
 @dataclass(slots=True)

@@ -23,19 +23,29 @@ from flexserve_kernels.lora_ref import check_shrink_args
 
 @triton.jit(do_not_specialize=["split_k"])  # one kernel whatever split_k (1, 16k, other)
 def _lora_shrink_sgmv_kernel(
-    x_ptr, a_ptr, out_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    hidden_size, max_rank, k_per_split, split_k,
+    x_ptr, a_ptr, out_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_map_ptr,
+    hidden_size, max_rank, k_per_split, split_k, num_map_tiles,
     stride_xm, stride_as, stride_ar, stride_os, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,
 ):
     # Grid: (segment, token tile, rank tile x K split). Token tiles past a segment's end exit here,
     # so one grid serves segments of any length. split_k is a runtime value, not a constexpr: it
     # follows the token count (1 to 112 on Llama-3.1-8B), and as a constexpr each value compiled
     # its own kernel (14 of them in a 20 s fine-tuning run on a cold H200, ~1 s each, stalling
     # every request in those iterations).
-    seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_rk = tl.program_id(2)
+    # With a tile map (CUDA graphs: the grid is fixed by the bucket, not by the batch) the grid is
+    # (map entry, rank tile x K split) and entry i names its segment and token tile; -1 is empty.
+    if USE_TILE_MAP:
+        seg = tl.load(tile_map_ptr + tl.program_id(0))
+        if seg < 0:
+            return
+        pid_m = tl.load(tile_map_ptr + num_map_tiles + tl.program_id(0))
+        pid_rk = tl.program_id(1)
+    else:
+        seg = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_rk = tl.program_id(2)
     seg_len = tl.load(seg_lens_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
@@ -161,7 +171,9 @@ def lora_shrink_sgmv(
     # rows (each A tile then serves 64 tokens), halved down to 16 while even the largest K split
     # (>= 128 inputs each, so partials stay small) would leave SMs idle; then split K.
     max_split = triton.cdiv(hidden_size, 128)
-    if block_m is None:
+    if meta.tile_map is not None:
+        block_m = meta.tile_block_m
+    elif block_m is None:
         block_m = min(max(16, triton.next_power_of_2(meta.max_seg_len)), 64)
         while block_m > 16 and busy_tiles(meta, block_m) * num_r_tiles * max_split < target:
             block_m //= 2
@@ -176,12 +188,17 @@ def lora_shrink_sgmv(
 
     s = (torch.zeros if split_k == 1 else torch.empty)(num_tokens, max_rank, dtype=torch.float32, device=x.device)
     out = s if split_k == 1 else torch.empty(split_k, num_tokens, max_rank, dtype=torch.float32, device=x.device)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_r_tiles * split_k)
+    tile_map, num_map_tiles = tile_map_args(meta)
+    if tile_map is None:
+        grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_r_tiles * split_k)
+    else:
+        grid = (num_map_tiles, num_r_tiles * split_k)
     _lora_shrink_sgmv_kernel[grid](
         x, lora_a, out, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-        hidden_size, max_rank, k_per_split, split_k,
+        meta.seg_lens if tile_map is None else tile_map,  # any pointer when unused
+        hidden_size, max_rank, k_per_split, split_k, num_map_tiles,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0) if split_k > 1 else 0, out.stride(-2),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, USE_TILE_MAP=tile_map is not None,
         # ptxas (sm_90, triton 3.9): a 64 x 64 tile takes 245 registers at 4 warps, 128 at 8;
         # 64 x 128 spills at 4 warps. 8 warps from 4096 accumulator elements.
         num_warps=8 if block_m * block_r >= 4096 else 4, num_stages=3,
@@ -234,8 +251,17 @@ def lora_shrink_bgmv(
     return s
 
 
+def tile_map_args(meta: LoRAKernelMeta) -> tuple[torch.Tensor, int] | tuple[None, int]:
+    """(the [2, N] tile map, N) of a meta that has one (`LoRAKernelMeta.tile_map`), else (None, 0)."""
+    if meta.tile_map is None:
+        return None, 0
+    return meta.tile_map, meta.tile_map.shape[1]
+
+
 def busy_tiles(meta: LoRAKernelMeta, block_m: int) -> int:
     """Token tiles that have work (an upper bound: the grid also holds tiles past segment ends)."""
+    if meta.tile_map is not None:
+        return meta.tile_map.shape[1]
     tiles_if_all_long = meta.num_segments * triton.cdiv(meta.max_seg_len, block_m)
     return max(1, min(tiles_if_all_long, triton.cdiv(meta.num_tokens, block_m) + meta.num_segments))
 

@@ -73,19 +73,25 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, tile_map_ptr,
+    scale_log2, num_map_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SKIP_DECODE_ROWS: tl.constexpr,
+    SKIP_DECODE_ROWS: tl.constexpr, USE_TILE_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Query heads of one kv head are neighbours in the grid's fastest dimension, so the programs
     # reading the same K/V tiles run together and share them through L2.
     head = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    row = tl.program_id(2)
+    if USE_TILE_MAP:  # CUDA graphs: a grid fixed by the bucket, (row, tile) per entry, -1 empty
+        row = tl.load(tile_map_ptr + tl.program_id(1))
+        if row < 0:
+            return
+        tile = tl.load(tile_map_ptr + num_map_tiles + tl.program_id(1))
+    else:
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
+        row = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     m0 = tile * BLOCK_M
@@ -171,6 +177,7 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     skip_decode_rows: bool = False,
+    tile_map: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -178,7 +185,9 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """The prefill kernel alone, for every row (or, with skip_decode_rows, rows with q_b > 1;
     the others' `out` rows are left untouched). Arguments as `paged_attention`; the keywords
-    override the block configuration (tests, benchmark sweeps)."""
+    override the block configuration (tests, benchmark sweeps). `tile_map` [2, N] int32
+    (`lora_meta.segment_tile_map` of the rows' query lengths in `block_m` tiles, which must be
+    given with it) fixes the grid at N query tiles per head whatever the rows (CUDA graphs)."""
     check_paged_attention_args(query, key_cache, value_cache, seq_lens, block_tables,
                                query_start_loc, out)
     if max_query_len < 1:
@@ -190,22 +199,30 @@ def paged_prefill_attention(
     num_rows = seq_lens.shape[0]
     if num_rows == 0 or num_tokens == 0:
         return out
+    if tile_map is not None and (block_m is None or tile_map.dim() != 2 or tile_map.shape[0] != 2):
+        raise ValueError("a tile_map [2, N] needs the block_m it was built with")
     cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(head_dim, query.dtype, max_query_len)
     if query.device.type == "cpu":
         # Triton's interpreter: its cost is per tile step, so take few large steps.
         cfg_m, cfg_n = min(64, max(16, triton.next_power_of_2(max_query_len))), 64
     block_m = _block_arg("block_m", block_m, 16) or cfg_m
     block_n = _block_arg("block_n", block_n, 16) or cfg_n
-    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_rows)
+    if tile_map is None:
+        grid = (num_heads, triton.cdiv(max_query_len, block_m), num_rows)
+        num_map_tiles = 0
+    else:
+        num_map_tiles = tile_map.shape[1]
+        grid = (num_heads, num_map_tiles)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out,
         query_start_loc, seq_lens, block_tables,
-        scale * LOG2E,
+        seq_lens if tile_map is None else tile_map,  # any pointer when unused
+        scale * LOG2E, num_map_tiles,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SKIP_DECODE_ROWS=skip_decode_rows,
+        SKIP_DECODE_ROWS=skip_decode_rows, USE_TILE_MAP=tile_map is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages,
     )
@@ -225,6 +242,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     split_decode_rows: bool = True,
     num_splits: int | None = None,
+    prefill_tile_map: torch.Tensor | None = None,
+    prefill_block_m: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat varlen batch over its paged K/V; returns out [T, H, D].
 
@@ -235,13 +254,15 @@ def paged_attention(
     the cache. With max_query_len == 1 this is decode_attention; otherwise the prefill kernel
     runs, and with split_decode_rows (default) one-token rows go to decode_attention's kernel
     (both launches skip the other's rows). num_splits is decode_attention's. No host sync.
+    `prefill_tile_map` and `prefill_block_m`: `paged_prefill_attention`'s tile_map and block_m.
     """
     if max_query_len == 1:
         return decode_attention(query, key_cache, value_cache, seq_lens, block_tables, scale,
                                 out=out, query_start_loc=query_start_loc, num_splits=num_splits)
     out = paged_prefill_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                                   block_tables, max_query_len, scale, out=out,
-                                  skip_decode_rows=split_decode_rows)
+                                  skip_decode_rows=split_decode_rows, tile_map=prefill_tile_map,
+                                  block_m=prefill_block_m)
     if split_decode_rows:
         decode_attention(query, key_cache, value_cache, seq_lens, block_tables, scale, out=out,
                          query_start_loc=query_start_loc, num_splits=num_splits)

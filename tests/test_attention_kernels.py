@@ -186,6 +186,33 @@ def test_mixed_batch_kernels_write_only_their_rows():
     assert_attention_close(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("case_id", sorted(PREFILL_CASES))
+def test_tile_map_grid_with_padding_rows(case_id):
+    # The CUDA-graph form: rows padded with empty ones (query length 0, seq_len 0) and a tile map
+    # of fixed length, longer than the tiles, covering the rows with several tokens; one-token
+    # rows go to the decode kernel. Every real token must be written and match the reference.
+    from flexserve_kernels.lora_meta import segment_tile_map
+
+    batch = make_batch(*PREFILL_CASES[case_id], seed=4)
+    expected = batch.reference()
+    num_rows = batch.seq_lens.shape[0]
+    pad_rows = 3
+    start = torch.cat([batch.query_start_loc,
+                       batch.query_start_loc[-1:].repeat(pad_rows)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(pad_rows)])
+    tables = torch.cat([batch.block_tables, batch.block_tables[:1].repeat(pad_rows, 1)])
+    q_lens = start.diff().cpu().numpy()
+    block_m = 16
+    tile_map = torch.from_numpy(segment_tile_map(
+        (q_lens > 1) * q_lens, block_m, 64, last_tile_first=True)).to(DEVICE)
+    out = torch.full_like(batch.query, float("nan"))
+    paged_mod.paged_attention(batch.query, batch.key_cache, batch.value_cache, start, seq_lens,
+                              tables, 2 * batch.max_query_len, batch.scale, out=out,
+                              num_splits=2, prefill_tile_map=tile_map, prefill_block_m=block_m)
+    assert num_rows + pad_rows == seq_lens.shape[0]
+    assert_attention_close(out, expected, torch.float32)
+
+
 def test_reference_matches_the_layer_torch_path():
     # The oracle agrees with flexserve.layers.attention (its own test checks it against naive
     # attention), and the kernels drop into Attention.forward on AttentionMetadata's fields.

@@ -182,6 +182,35 @@ def test_sgmv_shrink_split_k_and_small_blocks(nan_empty):
         assert torch.equal(s[base_rows(meta)], torch.zeros_like(s[base_rows(meta)]))
 
 
+def tile_mapped(meta: LoRAKernelMeta, block_m: int, pad_segments: int, num_entries: int):
+    """The CUDA-graph form of `meta`: empty segments appended, a static max_seg_len (all tokens)
+    and a tile map of `num_entries` (more than the tiles) over the real segments."""
+    from flexserve_kernels.lora_meta import segment_tile_map
+
+    zeros = meta.seg_lens.new_zeros(pad_segments)
+    lens = meta.seg_lens.cpu().numpy()
+    tile_map = torch.from_numpy(segment_tile_map(lens, block_m, num_entries)).to(meta.seg_lens.device)
+    return LoRAKernelMeta(
+        token_slots=meta.token_slots, seg_starts=torch.cat([meta.seg_starts, zeros]),
+        seg_lens=torch.cat([meta.seg_lens, zeros]), seg_slots=torch.cat([meta.seg_slots, zeros]),
+        num_tokens=meta.num_tokens, max_seg_len=meta.num_tokens, decode_only=False,
+        tile_map=tile_map, tile_block_m=block_m)
+
+
+@pytest.mark.parametrize("case_id", ["r7-h100-o77", "r16-h576-o200", "r64-h100-o130"])
+def test_sgmv_tile_map_with_padding_segments(case_id, nan_empty):
+    case = CASES[case_id]
+    x, lora_a, lora_b, y0, scaling, meta = make_inputs(case)
+    mapped = tile_mapped(meta, block_m=16, pad_segments=3, num_entries=40)
+    expected_s = lora_shrink_ref(x, lora_a, meta)
+    s = shrink_kernels.lora_shrink_sgmv(x, lora_a, mapped)
+    torch.testing.assert_close(s, expected_s, atol=2e-5, rtol=1e-5)
+    assert torch.equal(s[base_rows(meta)], torch.zeros_like(s[base_rows(meta)]))
+    expected_y = lora_expand_ref(expected_s, lora_b, meta, y0.clone(), scaling)
+    y = expand_kernels.lora_expand_sgmv(expected_s, lora_b, mapped, y0.clone(), scaling)
+    torch.testing.assert_close(y, expected_y, atol=2e-5, rtol=1e-5)
+
+
 def test_small_blocks_loop_over_tails():
     # Every loop takes several steps, most end in a masked tail: K 100 in 16s or 32s, ranks 64 and
     # 40 in 16s (loop steps in the expands, rank tiles in the BGMV shrink), outputs 130 in 32s or
@@ -391,10 +420,13 @@ for dt, p in P.items():
     fp32 = dt == "fp32"
     for bm, br in first_if(fp32, ((64, 16), (16, 16), (64, 64), (16, 128))):
         types = dict(x_ptr=p, a_ptr=p, out_ptr="*fp32", seg_starts_ptr="*i32", seg_lens_ptr="*i32",
-                     seg_slots_ptr="*i32", hidden_size=I32, max_rank=I32, k_per_split=I32, split_k=I32,
+                     seg_slots_ptr="*i32", tile_map_ptr="*i32", hidden_size=I32, max_rank=I32,
+                     k_per_split=I32, split_k=I32, num_map_tiles=I32,
                      stride_xm=I32, stride_as=I32, stride_ar=I32, stride_os=I32, stride_om=I32)
-        compile_one(ks._lora_shrink_sgmv_kernel, types, dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk),
-                    8 if bm * br >= 4096 else 4)
+        for tile_map in (False, True) if bm == 64 else (False,):  # CUDA graphs' tiles are 64
+            compile_one(ks._lora_shrink_sgmv_kernel, types,
+                        dict(BLOCK_M=bm, BLOCK_R=br, BLOCK_K=bk, USE_TILE_MAP=tile_map),
+                        8 if bm * br >= 4096 else 4)
     for br, bk in first_if(fp32, ((1, 4096), (16, 256), (64, 64))):
         types = dict(x_ptr=p, a_ptr=p, s_ptr="*fp32", token_slots_ptr="*i32", hidden_size=I32, max_rank=I32,
                      stride_xm=I32, stride_as=I32, stride_ar=I32, stride_sm=I32)
@@ -402,10 +434,13 @@ for dt, p in P.items():
     for bm, bn, br in first_if(fp32, ((64, 128, 64), (16, 32, 16), (64, 32, 16), (16, 128, 16), (64, 128, 16))):
         bn = min(bn, 64) if dt == "fp32" else bn
         types = dict(s_ptr="*fp32", b_ptr=p, y_ptr=p, scaling_ptr="*fp32", seg_starts_ptr="*i32",
-                     seg_lens_ptr="*i32", seg_slots_ptr="*i32", out_size=I32, max_rank=I32, stride_sm=I32,
+                     seg_lens_ptr="*i32", seg_slots_ptr="*i32", tile_map_ptr="*i32", out_size=I32,
+                     max_rank=I32, num_map_tiles=I32, stride_sm=I32,
                      stride_bs=I32, stride_bn=I32, stride_ym=I32)
-        compile_one(ke._lora_expand_sgmv_kernel, types, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br),
-                    8 if bm * bn >= 4096 else 4, num_stages=2)
+        for tile_map in (False, True) if bm == 64 else (False,):
+            compile_one(ke._lora_expand_sgmv_kernel, types,
+                        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, USE_TILE_MAP=tile_map),
+                        8 if bm * bn >= 4096 else 4, num_stages=2)
     for bn, br in first_if(fp32, ((256, 16), (32, 16), (32, 128))):
         types = dict(s_ptr="*fp32", b_ptr=p, y_ptr=p, scaling_ptr="*fp32", token_slots_ptr="*i32", out_size=I32,
                      max_rank=I32, stride_sm=I32, stride_bs=I32, stride_bn=I32, stride_ym=I32)
