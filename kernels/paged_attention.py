@@ -165,6 +165,12 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_query_len: int) -> tu
     return block_m, block_n, warps, stages
 
 
+def prefill_block_m(head_dim: int, dtype: torch.dtype, max_query_len: int) -> int:
+    """The query tile height the prefill kernel takes for these shapes on the GPU (tile maps are
+    built in tiles of it)."""
+    return _prefill_config(head_dim, dtype, max_query_len)[0]
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,

@@ -68,6 +68,10 @@ class AttentionMetadata:
     # prefill kernel alone, not also a decode launch with nothing to do (one launch per layer:
     # 13% of a cProfile of fine-tuning-only steps of Llama-3.1-8B, offline engine, H200).
     num_decode_rows: int | None = None
+    # CUDA graphs (`MixedGraphRunner`): the prefill kernel's [2, N] (row, query tile) map, which
+    # fixes its grid whatever the rows, and the tile height it was built with; None: per batch
+    prefill_tile_map: torch.Tensor | None = None
+    prefill_block_m: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -232,8 +236,12 @@ def _padded_group(
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store key/value [T, num_kv_heads, head_dim] into kv_cache at the flat `slot_mapping` slots."""
+    """Store key/value [T, num_kv_heads, head_dim] into kv_cache at the flat `slot_mapping` slots;
+    tokens with slot -1 (padding) are skipped, as the Triton write skips them."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
     key_cache.index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
@@ -324,6 +332,8 @@ class Attention(nn.Module):
                 metadata.block_tables, metadata.max_query_len, self.scale,
                 num_splits=metadata.decode_num_splits,
                 split_decode_rows=metadata.num_decode_rows != 0,
+                prefill_tile_map=metadata.prefill_tile_map,
+                prefill_block_m=metadata.prefill_block_m,
             )
             return out.reshape(num_tokens, self.num_heads * self.head_dim)
         if rope is not None:

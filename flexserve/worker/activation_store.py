@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.layer_graph import LayerGraph
+from flexserve.worker.activation_arena import ActivationArena
 from flexserve.worker.activation_offload import HostOffload
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_fused_train_ref import dropout_keep_ref, row_seed
@@ -116,13 +117,16 @@ class ActivationStore:
     `lora_dropout` and `dropout_seed` are the job's; the graph has dropout ops exactly when
     lora_dropout > 0. The layers in `offload_layers` (all with the same plan) keep their buffers
     in host memory instead (`HostOffload`); the backward calls `prepare_layer` before a layer's
-    first window; `offload_host_rows` sizes their host buffers (`HostOffload`).
+    first window; `offload_host_rows` sizes their host buffers (`HostOffload`). With an `arena`
+    (`ActivationArena`) and no offload, the buffers are views of a row range leased from it
+    (`arena_base`; None when it had no room), which CUDA graphs can write; `release` returns it.
     """
 
     def __init__(
         self, graph: LayerGraph, plan: Any, num_layers: int, max_len: int, dtype: torch.dtype,
         device: torch.device | str, *, lora_dropout: float = 0.0, dropout_seed: int = 0,
         offload_layers: tuple[int, ...] = (), offload_host_rows: int | None = None,
+        arena: ActivationArena | None = None,
     ) -> None:
         if num_layers < 1 or max_len < 1:
             raise ValueError(f"num_layers ({num_layers}) and max_len ({max_len}) must be >= 1")
@@ -149,6 +153,7 @@ class ActivationStore:
         self.bitmask_names: list[frozenset[str]] = []  # per layer: kept as packed bits
         self._row_bytes: dict[tuple[int, str], int] = {}
         self._widths: dict[tuple[int, str], int] = {}
+        self._elements: dict[tuple[int, str], torch.dtype] = {}
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         offload = frozenset(offload_layers)
         if not offload <= set(range(num_layers)):
@@ -172,11 +177,22 @@ class ActivationStore:
             for name, width, elem in buffers:
                 key = (layer, name)
                 if layer not in offload:
-                    self._buffers[key] = torch.empty((max_len, width), dtype=elem,
-                                                     device=self.device)
+                    self._buffers[key] = None  # allocated below, from the arena or alone
                 self._row_bytes[key] = width * elem.itemsize
                 self._widths[key] = width
+                self._elements[key] = elem
         self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._row_bytes, 0)
+        self.arena, self.arena_base = None, None
+        if arena is not None and not offload and all(arena.has(*key) for key in self._widths):
+            self.arena_base = arena.lease(max_len)
+            if self.arena_base is not None:
+                self.arena = arena
+        for layer, name in self._buffers:
+            width, elem = self._widths[(layer, name)], self._elements[(layer, name)]
+            self._buffers[(layer, name)] = (
+                arena_rows(self.arena, layer, name, width, elem, self.arena_base, max_len)
+                if self.arena is not None
+                else torch.empty((max_len, width), dtype=elem, device=self.device))
         self._offload = (HostOffload(offload_layout, tuple(offload), max_len, self.device,
                                      host_rows=offload_host_rows)
                          if offload and offload_layout else None)
@@ -230,6 +246,25 @@ class ActivationStore:
             raise ValueError(f"forward window [{start}, {start + num_tokens}) runs past the "
                              f"store's max_len {self.max_len}")
         self.num_forward_tokens = start + num_tokens
+
+    def buffer_spec(self, layer: int, name: str) -> tuple[int, torch.dtype]:
+        """(row width, element dtype) of a kept tensor's buffer."""
+        return self._widths[(layer, name)], self._elements[(layer, name)]
+
+    def mark_written(self, start: int, num_tokens: int) -> None:
+        """Record that a graph wrote positions [start, start + num_tokens) of every kept tensor
+        (`GraphCapture`), as `write` records its own copies."""
+        end = start + num_tokens
+        for key in self._buffers:
+            if end > self._num_written[key]:
+                self._num_written[key] = end
+
+    def release(self) -> None:
+        """Return the arena rows (the sequence is done); the store is unusable afterwards."""
+        if self.arena is not None:
+            self.arena.release(self.arena_base)
+            self.arena = None
+            self._buffers.clear()
 
     def write(self, layer: int, name: str, start: int, rows: torch.Tensor) -> None:
         """Copy rows [n, >= width] (cast to the buffer's dtype) to positions [start, start + n)."""
@@ -293,6 +328,25 @@ class ActivationStore:
         if self._offload is not None and layer in self._offload:
             return self._offload.read(layer, name)
         return self._buffers[key]
+
+
+def arena_rows(arena: ActivationArena, layer: int, name: str, width: int, dtype: torch.dtype,
+               base: int, num_rows: int) -> torch.Tensor:
+    """Rows [base, base + num_rows) of the arena tensor of (layer, name)."""
+    return arena.tensor(layer, name, width, dtype)[base:base + num_rows]
+
+
+def store_layout(graph: LayerGraph, plans: list[Any], dtype: torch.dtype
+                 ) -> list[tuple[int, str, int, torch.dtype]]:
+    """(layer, name, row width, element dtype) of every buffer a store of these per-layer plans
+    allocates: what an `ActivationArena` reserves for them."""
+    graph_kv = frozenset(n for n, spec in graph.tensors.items() if spec.storage == "kv_cache")
+    layout = []
+    for layer, plan in enumerate(plans):
+        full, bits = _check_plan_names(graph, plan, graph_kv)
+        layout += [(layer, name, width, elem)
+                   for name, width, elem in _buffer_layout(graph, full, bits, dtype)]
+    return layout
 
 
 def _buffer_layout(graph: LayerGraph, full: frozenset[str], bits: frozenset[str],

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from flexserve.engine.plan import BackwardWindow, FinetuneSequenceStart, FinetuneWindow
@@ -38,7 +39,9 @@ from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
 from flexserve.peft.lora import LoRAAdapter, lora_scaling
 from flexserve.peft.peft_io import save_peft_adapter
-from flexserve.worker.activation_store import ActivationStore, FinetuneCapture
+from flexserve.worker.activation_arena import ActivationArena
+from flexserve.worker.activation_store import ActivationStore, FinetuneCapture, store_layout
+from flexserve.worker.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.layer_backward import SequenceBackward, lora_grad_name
 from flexserve.worker.window_loss import window_loss
 
@@ -152,9 +155,12 @@ class FinetuneRunner:
                  dtype: torch.dtype, lora_manager: Any, remat_threshold: float | None = None,
                  loss_chunk_rows: int = 1024, remat_chains: bool = False,
                  activation_budget_gib: float | None = None,
-                 max_finetune_len: int | None = None, activation_offload: bool = False) -> None:
+                 max_finetune_len: int | None = None, activation_offload: bool = False,
+                 arena: ActivationArena | None = None) -> None:
         self.model = model
         self.hf_config = hf_config
+        # activation memory CUDA graphs can write (mixed iterations); None: private stores only
+        self.arena = arena
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -206,19 +212,21 @@ class FinetuneRunner:
                        self.remat_threshold, self.remat_chains, self.activation_budget_gib,
                        self.max_finetune_len, self.activation_offload)
         self.jobs[spec.job_id] = job
+        if self.arena is not None and not job.layer_plans.offload_layers:
+            self.arena.reserve(store_layout(job.graph, job.layer_plans.plans, self.dtype))
         return job.plan
 
     def end_job(self, job_id: str) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
-            job.sequences.clear()
+            _drop_sequences(job)
             self._count_bytes()
 
     def remove_job(self, job_id: str) -> None:
         self._faults.pop(job_id, None)
         job = self.jobs.pop(job_id, None)
         if job is not None:
-            job.sequences.clear()
+            _drop_sequences(job)
             self.lora_manager.clear_slot(job.spec.lora_slot)
             self._count_bytes()
 
@@ -278,6 +286,7 @@ class FinetuneRunner:
             job = self.jobs.get(start.job_id)
             if job is None or start.job_id in errors:
                 continue
+            store = None
             try:
                 n = len(start.token_ids)
                 store = ActivationStore(
@@ -285,12 +294,14 @@ class FinetuneRunner:
                     self.device, lora_dropout=job.dropout,
                     dropout_seed=_dropout_seed(job.spec.seed, start.sequence_id),
                     offload_layers=job.layer_plans.offload_layers,
-                    offload_host_rows=job.layer_plans.max_num_tokens)
+                    offload_host_rows=job.layer_plans.max_num_tokens, arena=self.arena)
                 backward = SequenceBackward(self.model, store, n, start.block_ids,
                                             self.block_size, job.spec.lora_slot,
                                             job.optimizer.grads)
                 job.sequences[start.sequence_id] = _Sequence(start, store, backward)
             except Exception as e:  # this job's failure (OOM included), never the engine's
+                if store is not None:
+                    store.release()
                 self._fail(start.job_id, e, errors, "starting a sequence")
         self._count_bytes()
 
@@ -306,6 +317,46 @@ class FinetuneRunner:
                 capture.add_window(seq.store, row, window.start, n, window.lora_slot)
             row += n
         return capture
+
+    def graph_kept(self, windows: list[FinetuneWindow], errors: dict[str, str]
+                   ) -> dict[tuple[int, str], KeptTensor] | None:
+        """What a `GraphCapture` of these windows keeps: (layer, name) -> layout of the one plan
+        of their stores; None when some window needs the eager `capture_windows` (a store
+        outside the arena, LoRA dropout, a kept mask or delta, plans that differ) or none runs."""
+        stores = [seq.store for seq in (self._sequence(w.job_id, w.sequence_id) for w in windows
+                                        if w.job_id not in errors) if seq is not None]
+        if not stores or self.arena is None:
+            return None
+        names = stores[0].stored_names
+        for store in stores:
+            if (store.arena is None or store.lora_dropout > 0 or store.stored_names != names
+                    or any(store.bitmask_names)
+                    or any(n.endswith(UNSUPPORTED_SUFFIXES) for layer in names for n in layer)):
+                return None
+        return {(layer, name): KeptTensor(*stores[0].buffer_spec(layer, name))
+                for layer, layer_names in enumerate(names) for name in layer_names}
+
+    def admit_graph_windows(self, windows: list[FinetuneWindow], first_row: int,
+                            errors: dict[str, str]
+                            ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """Admit the windows `graph_kept` accepted into their stores (a graph writes them):
+        (flat source rows, arena rows, (flat start, tokens) per window); window i's rows start
+        at `first_row` + earlier windows' tokens."""
+        src, dest, spans = [], [], []
+        row = first_row
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            n = window.end - window.start
+            if seq is not None and window.job_id not in errors:
+                store = seq.store
+                store.begin_window(window.start, n)
+                store.mark_written(window.start, n)
+                src.append(np.arange(row, row + n))
+                dest.append(np.arange(store.arena_base + window.start,
+                                      store.arena_base + window.end))
+                spans.append((row, n))
+            row += n
+        return np.concatenate(src), np.concatenate(dest), spans
 
     def window_losses(self, capture: FinetuneCapture, windows: list[FinetuneWindow],
                       losses: dict, errors: dict[str, str]) -> None:
@@ -374,7 +425,7 @@ class FinetuneRunner:
         for job_id, sequence_id in finished:
             job = self.jobs.get(job_id)
             if job is not None:
-                job.sequences.pop(sequence_id, None)
+                _drop_sequences(job, sequence_id)
         self._count_bytes()
 
     # ------------------------------------------------------------------------------ internals
@@ -386,7 +437,7 @@ class FinetuneRunner:
         """End the job's part of this step: the engine marks it failed with `errors[job_id]`."""
         job = self.jobs.get(job_id)
         if job is not None:
-            job.sequences.clear()  # its activation stores and gradient buffers go now
+            _drop_sequences(job)  # its activation stores and gradient buffers go now
         self._faults.pop(job_id, None)
         if isinstance(error, torch.cuda.OutOfMemoryError):
             if self.device.type == "cuda":
@@ -406,6 +457,15 @@ class FinetuneRunner:
     def _count_bytes(self) -> None:
         self.num_activation_bytes = sum(
             seq.store.num_bytes for job in self.jobs.values() for seq in job.sequences.values())
+
+
+def _drop_sequences(job: _Job, sequence_id: int | None = None) -> None:
+    """Forget one sequence of the job (None: all), returning their arena rows."""
+    ids = list(job.sequences) if sequence_id is None else [sequence_id]
+    for i in ids:
+        seq = job.sequences.pop(i, None)
+        if seq is not None:
+            seq.store.release()
 
 
 def _dropout_seed(job_seed: int, sequence_id: int) -> int:

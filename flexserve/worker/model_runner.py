@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from flexserve.config import EngineConfig
@@ -35,7 +36,10 @@ from flexserve.model.registry import ResolvedModel
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.peft_io import load_peft_adapter
+from flexserve.layers.lora_linear import LoRALinear
+from flexserve.worker.activation_arena import ActivationArena
 from flexserve.worker.cuda_graphs import CUDAGraphRunner
+from flexserve.worker.graph_capture import GraphCapture
 from flexserve.worker.finetune_runner import FinetuneJobSpec, FinetuneRunner
 from flexserve.worker.kv_cache import (
     KVCacheSpec,
@@ -43,11 +47,18 @@ from flexserve.worker.kv_cache import (
     num_blocks_from_memory,
 )
 from flexserve.worker.lora_manager import LoRAManager
+from flexserve.worker.mixed_graphs import MixedGraphRunner, MixedStep
 from flexserve_kernels.cuda_ext import load_for_decode
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora_meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
+
+# Rows a mixed iteration's graph holds beyond max_num_seqs: the fine-tuning windows.
+MAX_WINDOW_ROWS = 16
+# Sequences' worth of max_finetune_len rows in the activation arena: a bin's sequences, and the
+# next bin's first windows while the last backward windows of this one run.
+ARENA_SEQUENCES = 2
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,6 +117,9 @@ class ModelRunner:
         self.warm_prefix_len: int | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: CUDAGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None  # CUDA: graphs of mixed iterations
+        self._arena: ActivationArena | None = None  # fine-tuning activations graphs can write
+        self._lora_linears = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
         self.finetune_runner: FinetuneRunner | None = None  # created by the first job
         self._stream: torch.cuda.Stream | None = None  # fine-tuning's side stream (CUDA)
         # The last plan's sampled tokens, on the device: a continuation plan's inputs
@@ -141,7 +155,19 @@ class ModelRunner:
                 with_lora=self.lora_manager is not None,
             )
             self.graph_runner.capture()
+            self.enable_mixed_graphs(max_model_len)
         return self.num_blocks
+
+    def enable_mixed_graphs(self, max_model_len: int) -> None:
+        """Run every iteration that is not decode-only through `MixedGraphRunner` (on CUDA its
+        captured graphs; elsewhere the same padded forward without a graph, for tests). Call
+        before the first fine-tuning job (its activation stores come from the arena)."""
+        sched = self.config.scheduler
+        self.mixed_graphs = MixedGraphRunner(
+            self.model, sched.max_num_batched_tokens, sched.max_num_seqs + MAX_WINDOW_ROWS,
+            max_model_len, self.block_size, self.hf_config.num_attention_heads,
+            self.hf_config.num_key_value_heads, self.model.head_dim, self.dtype, self.device,
+            arena_of=lambda: self._arena)
 
     @torch.inference_mode()
     def _profile_activation_peak(self, max_model_len: int) -> int:
@@ -287,16 +313,21 @@ class ModelRunner:
         if self.lora_manager is not None and any(slot >= 0 for slot in row_slots):
             lora_meta = LoRAKernelMeta.build(row_lens, row_slots, self.device)
         capture = None
-        if windows:
-            capture = self._finetune().capture_windows(
-                windows, sum(r.num_scheduled_tokens for r in rows), errors)
-        if (capture is None and self.graph_runner is not None
-                and metadata.max_query_len == 1
+        num_inference_tokens = sum(r.num_scheduled_tokens for r in rows)
+        if (not windows and self.graph_runner is not None and metadata.max_query_len == 1
                 and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
             hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
         else:
-            with set_forward_context(metadata, lora_meta, finetune=capture):
-                hidden = self.model(input_ids, positions)
+            graphed = self._run_mixed_graph(input_ids, metadata, row_lens, row_slots, windows,
+                                            num_inference_tokens, errors)
+            if graphed is not None:
+                hidden, capture = graphed
+            else:
+                if windows:
+                    capture = self._finetune().capture_windows(windows, num_inference_tokens,
+                                                               errors)
+                with set_forward_context(metadata, lora_meta, finetune=capture):
+                    hidden = self.model(input_ids, positions)
         if capture is not None:
             self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
         def sample() -> Callable[[], None] | None:
@@ -315,6 +346,38 @@ class ModelRunner:
             return fill
 
         return sample
+
+    def _run_mixed_graph(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
+                         row_lens: list[int], row_slots: list[int], windows: list[FinetuneWindow],
+                         first_window_row: int, errors: dict[str, str]
+                         ) -> tuple[torch.Tensor, GraphCapture | None] | None:
+        """Replay this step's mixed-iteration graph: (hidden states, the windows' capture or
+        None); None when it has no graph (eager steps: CPU, --enforce-eager, no bucket, windows
+        the graph capture does not take)."""
+        graphs = self.mixed_graphs
+        if graphs is None:
+            return None
+        kept = None
+        if windows:
+            kept = self._finetune().graph_kept(windows, errors)
+            if kept is None:
+                return None
+        slots = frozenset(slot for slot in row_slots if slot >= 0)
+        lora_key = None
+        if slots and self.lora_manager is not None:
+            lora_key = tuple(not m.active_slots.isdisjoint(slots) for m in self._lora_linears)
+        step = MixedStep(input_ids, metadata, np.asarray(row_lens, dtype=np.int64), row_slots,
+                         lora_key, slots)
+        if kept is not None:
+            step.capture = (kept, None, None, None)
+        key = graphs.key_for(step)
+        if key is None:
+            return None
+        if kept is not None:
+            src, dest, spans = self._finetune().admit_graph_windows(windows, first_window_row,
+                                                                    errors)
+            step.capture = (kept, src, dest, spans)
+        return graphs.run(step, key)
 
     # ------------------------------------------------------------------------------ fine-tuning
     def add_finetune_job(self, job_id: str, lora_slot: int, hyperparameters: Any,
@@ -348,6 +411,11 @@ class ModelRunner:
         """Forget the job: its fp32 masters, AdamW state and pruning plan go with it."""
         if self.finetune_runner is not None:
             self.finetune_runner.remove_job(job_id)
+            if not self.finetune_runner.jobs and self._arena is not None:
+                # No job left: the arena's memory goes back (the next job reserves its own plan).
+                if self.mixed_graphs is not None:
+                    self.mixed_graphs.drop_captures()
+                self._arena.clear()
 
     def save_finetune_adapter(self, job_id: str, path: str) -> None:
         """Write a job's current adapter in PEFT format."""
@@ -364,12 +432,15 @@ class ModelRunner:
             if self.lora_manager is None:
                 raise ValueError("fine-tuning needs LoRA slots: enable LoRA (--enable-lora)")
             ft = self.config.finetune
+            max_finetune_len = ft.max_finetune_len or self.config.model.max_model_len
+            if self.mixed_graphs is not None:
+                self._arena = ActivationArena(ARENA_SEQUENCES * max_finetune_len, self.device)
             self.finetune_runner = FinetuneRunner(
                 self.model, self.hf_config, self.block_size, self.device, self.dtype,
                 self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains,
                 activation_budget_gib=ft.activation_budget_gib,
-                activation_offload=ft.activation_offload,
-                max_finetune_len=ft.max_finetune_len or self.config.model.max_model_len)
+                activation_offload=ft.activation_offload, max_finetune_len=max_finetune_len,
+                arena=self._arena)
         return self.finetune_runner
 
     # ---------------------------------------------------------------------------------------- LoRA

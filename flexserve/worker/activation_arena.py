@@ -1,0 +1,97 @@
+"""Fine-tuning activation memory reserved once, so CUDA graphs can write into it (FlexLLM
+appendix D).
+
+A captured graph bakes in every pointer it touches, so the activation stores that a mixed
+iteration's graph writes cannot be fresh allocations per sequence. The arena holds one tensor per
+(layer, tensor name) of `num_rows + 1` rows; a sequence leases a row range [base, base + n) in all
+of them at once, and its `ActivationStore` buffers are views of that range. The last row is the
+dump row: padding entries of a graph's index writes land there. Row ranges are first-fit; a
+sequence that finds no room gets private buffers and its windows run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ActivationArena:
+    """Row-leased activation buffers shared by every fine-tuning sequence of a worker."""
+
+    def __init__(self, num_rows: int, device: torch.device) -> None:
+        if num_rows < 1:
+            raise ValueError(f"an arena needs at least one row, got {num_rows}")
+        self.num_rows = num_rows
+        self.device = device
+        self._tensors: dict[tuple[int, str], torch.Tensor] = {}
+        self._leases: dict[int, int] = {}  # base row -> rows, of ranges in use
+
+    @property
+    def dump_row(self) -> int:
+        """The row that padding entries of a graph's index writes point at."""
+        return self.num_rows
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def lease(self, num_rows: int) -> int | None:
+        """The first free range of `num_rows` rows (its base), or None when none is free."""
+        position = 0
+        for base in sorted(self._leases):
+            if base - position >= num_rows:
+                break
+            position = max(position, base + self._leases[base])
+        if position + num_rows > self.num_rows:
+            return None
+        self._leases[position] = num_rows
+        return position
+
+    def release(self, base: int) -> None:
+        self._leases.pop(base, None)
+
+    def tensor(self, layer: int, name: str, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The [num_rows + 1, width] tensor of (layer, name), allocated on first use; ValueError
+        when an earlier user gave it another width or dtype."""
+        key = (layer, name)
+        t = self._tensors.get(key)
+        if t is None:
+            t = torch.empty((self.num_rows + 1, width), dtype=dtype, device=self.device)
+            self._tensors[key] = t
+        elif t.shape[1] != width or t.dtype != dtype:
+            raise ValueError(f"arena tensor {key} is [{t.shape[1]}] {t.dtype}, asked for "
+                             f"[{width}] {dtype}")
+        return t
+
+    def clear(self) -> None:
+        """Free every tensor (no sequence may hold a lease; graphs that wrote them must go)."""
+        if self._leases:
+            raise RuntimeError(f"{len(self._leases)} sequences still hold arena rows")
+        self._tensors.clear()
+
+    def has(self, layer: int, name: str) -> bool:
+        return (layer, name) in self._tensors
+
+    def reserve(self, layout: list[tuple[int, str, int, torch.dtype]]) -> bool:
+        """Allocate the tensors of a plan's (layer, name, width, dtype) layout that are missing;
+        False, with nothing allocated by this call kept, when the device memory is short."""
+        new = []
+        try:
+            for layer, name, width, dtype in layout:
+                if not self.has(layer, name):
+                    self.tensor(layer, name, width, dtype)
+                    new.append((layer, name))
+        except torch.cuda.OutOfMemoryError:
+            for key in new:
+                del self._tensors[key]
+            torch.cuda.empty_cache()
+            logger.warning("no device memory for a %d-row activation arena: fine-tuning windows "
+                           "of this plan run without CUDA graphs", self.num_rows)
+            return False
+        if new:
+            logger.info("activation arena: %d rows, %.2f GiB reserved", self.num_rows,
+                        self.num_bytes / 2**30)
+        return True

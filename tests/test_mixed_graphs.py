@@ -1,0 +1,158 @@
+"""Mixed-iteration CUDA graphs: buckets, static LoRA segments, the activation arena, and the padded
+forward that the graphs capture.
+
+On the CPU `MixedGraphRunner.run` runs the same padded forward without a graph (static buffers,
+padding tokens and rows, LoRA segments from the static buffers, fine-tuning activations written
+by index into the arena), so its bookkeeping is checked here against the eager path: a tiny
+Llama in fp32 trains the same adapter as HF transformers + peft + AdamW (fp64 truth, the bound of
+tests/test_gpu_finetune.py) and decodes the same tokens as without it. The tile-map kernels are
+checked against their references in test_attention_kernels.py and test_lora_kernels.py; on CUDA,
+test_gpu_finetune.py runs the graphs themselves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _hf_training import train_hf_peft
+
+from flexserve import LLM, SamplingParams
+from flexserve.finetune.data import TrainingData, TrainingExample
+from flexserve.finetune.hyperparameters import Hyperparameters
+from flexserve.worker.activation_arena import ActivationArena
+from flexserve.worker.mixed_graphs import _segments, bucket, row_buckets, token_buckets
+from flexserve_kernels.lora_meta import LoRAKernelMeta
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def test_buckets():
+    assert token_buckets(1000) == [64, 128, 256, 512, 1000]
+    assert token_buckets(64) == [64]
+    assert token_buckets(16) == [16]
+    assert row_buckets(40) == [8, 32, 40]
+    assert row_buckets(8) == [8]
+    assert bucket(65, token_buckets(1000)) == 128
+    assert bucket(1001, token_buckets(1000)) is None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_segments_match_meta_build(seed):
+    rng = np.random.default_rng(seed)
+    num_rows = int(rng.integers(1, 12))
+    lens = rng.integers(1, 9, num_rows)
+    slots = rng.integers(-1, 3, num_rows).tolist()
+    starts, seg_lens, seg_slots, token_slots = _segments(lens, slots)
+    meta = LoRAKernelMeta.build(lens.tolist(), slots, "cpu")
+    assert starts.tolist() == meta.seg_starts.tolist()
+    assert seg_lens.tolist() == meta.seg_lens.tolist()
+    assert seg_slots.tolist() == meta.seg_slots.tolist()
+    assert token_slots.tolist() == meta.token_slots.tolist()
+
+
+def test_arena_leases_first_fit_and_clears():
+    arena = ActivationArena(10, torch.device("cpu"))
+    assert arena.lease(4) == 0 and arena.lease(4) == 4
+    assert arena.lease(3) is None  # 2 rows left
+    arena.release(0)
+    assert arena.lease(3) == 0 and arena.lease(2) == 8
+    t = arena.tensor(0, "x", 5, torch.float32)
+    assert t.shape == (11, 5) and arena.dump_row == 10
+    with pytest.raises(ValueError, match="asked for"):
+        arena.tensor(0, "x", 6, torch.float32)
+    with pytest.raises(RuntimeError, match="still hold"):
+        arena.clear()
+    for base in (0, 4, 8):
+        arena.release(base)
+    arena.clear()
+    assert not arena.has(0, "x")
+
+
+def _setup(tiny_config, tiny_checkpoint, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128)
+    model_dir = tiny_checkpoint(config, seed=3)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    adapter_dir = str(tmp_path / "init")
+    peft_model.save_pretrained(adapter_dir)
+    examples = []
+    for i, n in enumerate((23, 37, 16, 41)):
+        ids = torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
+        examples.append(TrainingExample(i + 1, ids, [False] + [True] * (n - 1)))
+    data = TrainingData("text", examples, [], sum(len(e.input_ids) for e in examples),
+                        sum(sum(e.loss_mask) for e in examples))
+    hp = Hyperparameters.from_dict({
+        "batch_size": 2, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-3,
+        "lr_scheduler": "constant", "max_grad_norm": None,
+        "lora": {"r": 8, "alpha": 16, "target_modules": TARGETS}})
+    return model_dir, adapter_dir, examples, data, hp
+
+
+def _llm(model_dir, graphs: bool) -> LLM:
+    llm = LLM(model_dir, device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8,
+              max_model_len=64, max_num_batched_tokens=16)
+    if graphs:
+        llm.engine.executor.enable_mixed_graphs(64)
+    return llm
+
+
+def test_padded_forward_trains_what_hf_peft_trains(tiny_config, tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    model_dir, adapter_dir, examples, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    llm = _llm(model_dir, graphs=True)
+    engine = llm.engine
+    job = engine.add_finetune_job(data, hp, init_adapter_path=adapter_dir)
+    # Inference rows ride in the same iterations as the windows.
+    requests = [engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0))
+                for i, prompt in enumerate(([5, 6, 7], [9] * 11))]
+    del requests
+    while not job.finished or engine.has_unfinished_requests():
+        engine.step()
+    assert job.status.value == "succeeded", job.error
+    graphs = engine.executor.mixed_graphs.graphs
+    assert any(key[3] is not None for key in graphs), "no window went through the padded path"
+    assert any(key[2] is not None for key in graphs)  # ... and with LoRA rows
+    out = str(tmp_path / "tuned")
+    engine.save_finetune_adapter(job.job_id, out)
+    ours = {k: v.double() for k, v in load_file(f"{out}/adapter_model.safetensors").items()}
+    initial = {k: v.double() for k, v in
+               load_file(f"{adapter_dir}/adapter_model.safetensors").items()}
+    steps = [[0, 1], [2, 3]]
+    truth = train_hf_peft(model_dir, adapter_dir, examples, steps, 1e-3, torch.float64)
+    hf32 = train_hf_peft(model_dir, adapter_dir, examples, steps, 1e-3, torch.float32)
+
+    def change_error(weights):
+        keys = sorted(truth)
+        a = torch.cat([(weights[k] - initial[k]).flatten() for k in keys])
+        b = torch.cat([(truth[k] - initial[k]).flatten() for k in keys])
+        return float((a - b).norm() / b.norm())
+
+    ours_error, hf_error = change_error(ours), change_error(hf32)
+    assert ours_error <= 1e-4 and ours_error <= max(4 * hf_error, 1e-5), (ours_error, hf_error)
+
+
+def test_padded_forward_generates_what_the_eager_path_generates(tiny_config, tiny_checkpoint,
+                                                                tmp_path):
+    model_dir, *_ = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [7, 8], [30]]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    outputs = {}
+    for graphs in (False, True):
+        llm = _llm(model_dir, graphs)
+        results = llm.generate(prompts, params)
+        outputs[graphs] = [r.outputs[0].token_ids for r in results]
+        if graphs:
+            assert llm.engine.executor.mixed_graphs.graphs  # prefill chunks took the padded path
+    assert outputs[True] == outputs[False]
