@@ -243,10 +243,10 @@ class HybridTokenScheduler:
             plan.finetune_concurrent = True
             finetune.schedule(plan, TokenBudgetSizer(budget_left), self.picker)
             return
-        if self.limit_s is None or (mode == StepMode.FINETUNE
-                                    and self.policy != SharingPolicy.COSERVE):
-            # No SLO to keep (offline), temporal phases, idle GPUs under the baselines: the
-            # plain token budget, forward and backward tokens alike.
+        if self.limit_s is None or mode == StepMode.FINETUNE:
+            # No SLO to keep (offline), temporal phases, no request running or waiting: the
+            # plain token budget, forward and backward tokens alike (fine-tuning alone runs as
+            # fast as the offline engine).
             finetune.schedule(plan, TokenBudgetSizer(budget_left), self.picker)
             return
         shape = plan_shape(plan)
