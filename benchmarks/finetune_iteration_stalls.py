@@ -2,7 +2,7 @@
 where the slow ones spend their time.
 
     python benchmarks/finetune_iteration_stalls.py --latency-profile \
-        docs/results/2026-11-21-profile-h200-llama-3.1-8b-down_proj-s4.json [--allow-cudnn-sdpa]
+        docs/results/profile-llama-3.1-8b-down_proj-h200-2026-11-21.json [--allow-cudnn-sdpa]
 
 An offline `LLM` (dummy weights, `slo_tpot_ms` 50, the given latency profile) runs a LoRA r=16
 down_proj job alone for --duration seconds on sequences of 1024-8192 random tokens, so windows are

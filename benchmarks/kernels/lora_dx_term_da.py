@@ -16,8 +16,8 @@ sums, and a sum near a rounding boundary of bf16 can land one step away.
 
 --term-tiles adds the tile sweep of the term alone (`lora_train_dx_term`, what runs above
 MAX_TERM_DA_RANK): every (BLOCK_M, BLOCK_N) x num_warps candidate in both forms, whose output
-must equal the default's bit for bit (the tiles change no arithmetic). Session 13 chose the
-term's tiles with this sweep under `triton.testing.do_bench` (docs/results/*-s13-dx-term-sweep-*).
+must equal the default's bit for bit (the tiles change no arithmetic). The term's default tiles
+are this sweep's choice.
 
 One JSON line per shape to stdout and appended to --out.
 
