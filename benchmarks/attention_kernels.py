@@ -16,7 +16,7 @@ faster of enable_gqa=True and K/V pre-expanded to 32 heads (expansion not timed)
 times alternative block configurations of the two attention kernels (the defaults were chosen
 offline, without a GPU) and reports the best.
 
-    python benchmarks/attention_kernels.py --out attention_kernels.jsonl
+    python benchmarks/attention_kernels.py --out
     python benchmarks/attention_kernels.py --sweep
     python benchmarks/attention_kernels.py --smoke   # tiny shapes, CPU, Triton's interpreter
     python benchmarks/attention_kernels.py --compile-check   # no GPU needed, see below
@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 LLAMA8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, hidden=4096, intermediate=14336)
 SMOKE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden=128, intermediate=192)
@@ -51,48 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096])
     p.add_argument("--fused-tokens", type=int, nargs="*", default=[1, 32, 4096])
     p.add_argument("--sweep", action="store_true", help="also time alternative block configurations")
-    p.add_argument("--out", help="append one JSON line per measurement to this file")
+    harness.add_out_argument(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--compile-check", action="store_true",
                    help="compile for sm_90 without a GPU; report registers, spills, shared memory")
     return p.parse_args()
-
-
-# ----------------------------------------------------------------------------------- timing
-
-
-def make_timer(smoke: bool):
-    """Median microseconds of fn: do_bench on the GPU, one timed call under the interpreter."""
-    if smoke:
-        def timer(fn):
-            fn()
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e6
-        return timer
-
-    import triton
-
-    def timer(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-    return timer
-
-
-def matmul_peak(device, timer) -> float:
-    """bf16 dense matmul FLOP/s (8192^3)."""
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / (timer(lambda: a @ b) / 1e6)
-
-
-def copy_bandwidth(device, timer) -> float:
-    """Device copy bandwidth in bytes/s (read + write of 512 MiB each way)."""
-    n = 1 << 28
-    src = torch.empty(n, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    return 2 * n * 2 / (timer(lambda: dst.copy_(src)) / 1e6)
 
 
 # ---------------------------------------------------------------------------------- batches
@@ -399,12 +365,12 @@ def compile_check(arch: int = 90) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
+    writer = harness.JsonlWriter(args.out, __file__, echo=None)
     if args.compile_check:
         rows = compile_check()
         _table(rows, ["kernel", "warps", "stages", "registers", "spill_bytes", "shared_bytes", "arch", "triton"])
-        if args.out:
-            with open(args.out, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+        for r in rows:
+            writer.write(r)
         raise SystemExit(1 if any(r.get("spill_bytes") for r in rows) else 0)
     if args.smoke:
         # Before anything imports triton: the interpreter is chosen when functions are decorated.
@@ -416,16 +382,18 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16  # the interpreter's dot has no bf16
     shape = SMOKE if args.smoke else LLAMA8B
-    timer = make_timer(args.smoke)
+    def timer(fn):
+        return harness.do_bench_us(fn, device=device)
+
     if args.smoke:
         args.prefill = ["40", "24+17"]
         args.decode_batches, args.decode_contexts, args.fused_tokens = [1, 3], [40, 100], [1, 5]
         peak = bandwidth = None
         device_name = "cpu-interpreter"
     else:
-        peak = matmul_peak(device, timer)
-        bandwidth = copy_bandwidth(device, timer)
-        device_name = torch.cuda.get_device_name(device)
+        peak = harness.matmul_peak(timer, device)
+        bandwidth = harness.copy_bandwidth(timer, device)
+        device_name = harness.gpu_name()
 
     todo = [("prefill", c) for c in args.prefill]
     todo += [("decode", (b, c)) for b in args.decode_batches for c in args.decode_contexts]
@@ -453,9 +421,7 @@ def main() -> None:
             for key in ("us", "sdpa_us", "torch_us"):
                 if r.get(key) is not None:
                     r[key] = round(r[key], 2)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(r) + "\n")
+            writer.write(r)
         results.extend(rows)
     print_tables(results, args.sweep)
 

@@ -16,10 +16,10 @@ job alone, no inference traffic, measured once on the coserve server). One serve
 configuration serves all its rates; each rate gets a fresh job.
 
 Time: the defaults (3 rates, 8 s of arrivals each, outputs capped at 256 tokens so the drain
-after the arrivals stays short) are scaled down from FlexLLM's 20-minute traces to fit one
-10-minute call of the lent H200: about 6 server starts plus 19 runs of ~15 s each; an estimate,
-not measured here. Results are appended line by line to --output as each run ends, runs that
-would pass --time-budget are skipped, and a comparison can be split over several calls with
+after the arrivals stays short) are scaled down from FlexLLM's 20-minute traces to fit a 10-minute
+run on one GPU: about 6 server starts plus 19 runs of ~15 s each. Results are appended line by
+line to --out (docs/results/coserve-<gpu>-<date>.jsonl unless given) as each run ends, runs that
+would pass --time-budget are skipped, and a comparison can be split over several runs with
 --policies. A shipped architecture without a tokenizer (llama-3.1-8b) gets a generated
 word-level tokenizer (one token per word) so text prompts and training files work.
 """
@@ -27,7 +27,6 @@ word-level tokenizer (one token per word) so text prompts and training files wor
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -38,10 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import gpu_slug  # noqa: E402,F401  (file names; tests use it from here)
 from flexserve.entrypoints.bench_serve import parse_bench_serve_args, run_benchmark
 from flexserve.entrypoints.bench_workload import PROMPT_WORDS, random_text
 
@@ -73,23 +76,6 @@ def supported_server_flags() -> set[str]:
     text = subprocess.run([sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--help"],
                           capture_output=True, text=True, check=True).stdout
     return set(re.findall(r"(--[a-z][a-z0-9-]*)", text))
-
-
-def gpu_name() -> str:
-    """nvidia-smi's name of GPU 0 (no CUDA context in this process), else "cpu"."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return "cpu"
-    names = out.stdout.strip().splitlines()
-    return names[0].strip() if out.returncode == 0 and names else "cpu"
-
-
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H200' -> 'h200' (file names)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
-    return slug or "cpu"
 
 
 # ------------------------------------------------------------------------------ inputs on disk
@@ -297,16 +283,13 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     groups: dict[tuple[str, ...], list[str]] = {}
     for policy in args.policies:
         groups.setdefault(tuple(server_policy_args(policy)), []).append(policy)
-    base = {"date": datetime.date.today().isoformat(), "gpu": args.gpu, "command": args.command,
-            "model": args.model, "burstiness": args.burstiness, "duration_s": args.duration,
+    base = {"model": args.model, "burstiness": args.burstiness, "duration_s": args.duration,
             "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms,
             "max_output_len": args.max_output_len, "finetune_lengths": args.finetune_lengths}
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:
-        rows.append(row)
-        with open(args.output, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        rows.append(args.writer.write(row))  # stamped: gpu, date and command for the plot
         print(format_row(row), flush=True)
 
     for policy_args, policies in groups.items():
@@ -378,7 +361,7 @@ TABLE_HEADER = ("| policy | rate (req/s) | TPOT SLO att. (%) | TTFT SLO att. (%)
 
 
 def evaluate_targets(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's three targets, each 'met' / 'NOT met' / 'not measured' with its numbers."""
+    """The three co-serving targets, each 'met' / 'NOT met' / 'not measured' with its numbers."""
     ok = [r for r in rows if not r.get("error")]
     at = {(r["policy"], r["rate"]): r for r in ok}
     rates = sorted({r["rate"] for r in ok if r["rate"] is not None})
@@ -485,11 +468,6 @@ def report(rows: list[dict[str, Any]], plot_path: str | None) -> None:
         plot(rows, plot_path)
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2],
@@ -526,14 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=540.0,
                         help="skip runs that would end after this many seconds [%(default)s]")
     parser.add_argument("--seed", type=int, default=0, help="[%(default)s]")
-    parser.add_argument("--output", default=None,
-                        help="JSONL appended to [docs/results/<date>-coserve-<gpu>.jsonl]")
+    harness.add_out_argument(parser, default=harness.AUTO_OUT, aliases=("--output",))
     parser.add_argument("--plot", default=None, help="SVG of attainment and fine-tuning tok/s")
     parser.add_argument("--plot-only", default=None, metavar="RESULTS.jsonl",
                         help="no runs: table, targets and --plot from an earlier output")
     args = parser.parse_args(argv)
     if args.plot_only:
-        report(read_rows(args.plot_only), args.plot)
+        report(harness.read_jsonl(args.plot_only), args.plot)
         return 0
     for policy in args.policies:
         try:
@@ -543,17 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     lo, hi = args.finetune_lengths
     if not 2 <= lo <= hi:
         parser.error(f"--finetune-lengths needs 2 <= MIN <= MAX, got {lo} {hi}")
-    args.gpu = gpu_name()
-    args.command = shlex.join(["python", "benchmarks/coserve.py", *(argv or sys.argv[1:])])
-    if args.output is None:
-        args.output = os.path.join("docs", "results", f"{datetime.date.today().isoformat()}"
-                                   f"-coserve-{gpu_slug(args.gpu)}.jsonl")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    args.writer = harness.JsonlWriter(args.out, __file__, echo=None, argv=argv)
     print(TABLE_HEADER, flush=True)
     rows = run_all(args)
     print()
     report(rows, args.plot)
-    print(f"results appended to {args.output}")
+    print(f"results appended to {args.writer.path}")
     return 0
 
 

@@ -2,7 +2,7 @@
 its CUDA graph as in production; and how much of the step the device sits idle between kernels.
 
     python benchmarks/decode_kernel_profile.py --model llama-3.1-8b --load-format dummy \
-        --batch-sizes 1 32 --input-len 512 --steps 20 [--out kernels.jsonl]
+        --batch-sizes 1 32 --input-len 512 --steps 20 [--out]
 
 Per batch size: requests are prefilled and decoded a few steps, then two passes run under
 `torch.profiler` (CUPTI records each kernel a graph replay launches):
@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import importlib.util
-import json
-import pathlib
 import re
 import sys
 import types
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 STEP_LABEL = "decode_kernel_profile.step"
 # Substrings of a lower-cased kernel name -> its group; the first match wins (reduce before
@@ -263,16 +264,6 @@ def format_summary(summary: dict, title: str, floor_ms: float | None, unprofiled
     return "\n".join(lines)
 
 
-def _sibling(name: str) -> types.ModuleType:
-    """A module from this directory (benchmarks/ is no package)."""
-    path = pathlib.Path(__file__).resolve().parent / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
 def _profile(work, num_steps: int, num_skip: int) -> dict:
     """Runs `work()` num_skip + num_steps times under the profiler, each in a step range, and
     summarizes the last num_steps (the first ones absorb CUPTI's start-up)."""
@@ -300,7 +291,7 @@ def _profile(work, num_steps: int, num_skip: int) -> dict:
 def step_device_ms(engine, num_steps: int) -> float:
     """Median time of one unprofiled `engine.step()` on the device clock (CUDA events around it:
     host work before its first kernel included, as in the step pass's span)."""
-    return _sibling("offline_throughput").median_event_ms(engine.step, num_steps)
+    return harness.time_ms(engine.step, iters=num_steps)
 
 
 def main() -> None:
@@ -317,7 +308,7 @@ def main() -> None:
                         help="open an empty CUDA profiler session before the graphs are captured "
                              "(the workaround of pytorch/pytorch#75504 for stacks where profiling "
                              "graphs captured earlier fails; on others it stops kernel collection)")
-    parser.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
@@ -325,8 +316,9 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
-    setup = _sibling("decode_step_profile")
-    offline = _sibling("offline_throughput")
+    from benchmarks import decode_step_profile as setup
+    from benchmarks import offline_throughput as offline
+
     peaks = offline.measure_peaks(torch.device("cuda"))  # before the KV cache takes the memory
     if args.cupti_warmup:
         from torch.profiler import ProfilerActivity, profile
@@ -343,7 +335,7 @@ def main() -> None:
     runner = engine.core.executor
     hf_config = runner.hf_config
     lm_head_ms = hf_config.vocab_size * hf_config.hidden_size * 2 / (peaks["copy_tb_s"] * 1e12) * 1e3
-    rows = []
+    writer = harness.JsonlWriter(args.out, __file__, echo=None)
     for batch in tqdm(args.batch_sizes, desc="batch sizes"):
         setup.start_decode(engine, batch, args.input_len, num_decode + 16, num_warmup_steps=num_warmup)
         graph = setup.decode_graph(runner, batch)
@@ -370,17 +362,12 @@ def main() -> None:
             floor_ms = offline.floors(hf_config, floor_args, peaks)["decode_step_ms"][str(batch)]
             if name == "graph":  # the captured forward stops before lm_head
                 floor_ms -= lm_head_ms
-            row = {"batch": batch, "pass": name, "gpu": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "context_len": pass_context,
+            row = {"batch": batch, "pass": name, "context_len": pass_context,
                    "floor_ms": round(floor_ms, 4), "copy_tb_s": round(peaks["copy_tb_s"], 3),
                    "unprofiled_ms": round(unprofiled_ms, 4), **summary}
             print(format_summary(summary, f"batch {batch}, {name}", floor_ms, unprofiled_ms), flush=True)
-            rows.append(row)
+            writer.write(row)
         setup.finish_requests(engine)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

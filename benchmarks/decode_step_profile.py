@@ -2,7 +2,7 @@
 and the host's share (schedule, metadata, output processing), per batch size.
 
     python benchmarks/decode_step_profile.py --model llama-3.1-8b --load-format dummy \
-        --batch-sizes 1 32 [--cprofile]
+        --batch-sizes 1 32 [--cprofile] [--out]
 
 Device times come from CUDA events around the graph replay (the forward alone) and around a
 whole `ModelRunner.execute`; the step's wall time from `LLMEngine.step`. --cprofile prints the
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 
 def build_llm(model: str, load_format: str, max_model_len: int, max_num_seqs: int,
@@ -73,9 +73,7 @@ def decode_graph(runner, batch: int):
 
 def graph_replay_ms(graph, reps: int = 20) -> float:
     """Median device time of one `graph.replay()`."""
-    from offline_throughput import median_event_ms  # benchmarks/, the script's directory
-
-    return median_event_ms(graph.replay, reps)
+    return harness.time_ms(graph.replay, iters=reps)
 
 
 def main() -> None:
@@ -87,7 +85,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
 
     llm = build_llm(args.model, args.load_format, args.input_len + args.steps + 64,
                     max(args.batch_sizes), args.enforce_eager)
@@ -111,19 +111,11 @@ def main() -> None:
         forward_ms = graph_replay_ms(graph) if graph is not None else None
         hidden = torch.randn(batch, runner.hf_config.hidden_size, device="cuda",
                              dtype=torch.bfloat16)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(20):
-            start.record()
-            logits = runner.model.compute_logits(hidden)
-            logits.argmax(-1)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        row = {"batch": batch, "step_wall_ms": round(median(walls) * 1e3, 3),
+        lm_head_ms = harness.time_ms(lambda: runner.model.compute_logits(hidden).argmax(-1), iters=20)
+        row = {"batch": batch, "step_wall_ms": round(harness.median(walls) * 1e3, 3),
                "forward_device_ms": forward_ms and round(forward_ms, 3),
-               "lm_head_argmax_device_ms": round(median(times), 3)}
-        print(json.dumps(row), flush=True)
+               "lm_head_argmax_device_ms": round(lm_head_ms, 3)}
+        writer.write(row)
         if profiler:
             stats = pstats.Stats(profiler)
             stats.sort_stats("tottime").print_stats(25)

@@ -52,11 +52,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
+
 JOB_ID = "host-overhead"
 TARGET_SETS = {"down_proj": ["down_proj"],
                "all7": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -64,14 +67,11 @@ TARGET_SETS = {"down_proj": ["down_proj"],
 
 
 def tiny_model_dir(num_layers: int, hidden_size: int, max_len: int) -> str:
-    """A tiny random Llama checkpoint (tests/conftest.py's config) saved with HF's own class."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from conftest import make_tiny_config
+    """A tiny random Llama checkpoint (a 256-token vocabulary) saved with HF's own class."""
     from transformers import AutoModelForCausalLM
 
-    config = make_tiny_config("llama", hidden_size=hidden_size,
-                              intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                              max_position_embeddings=max_len)
+    config = harness.tiny_llama_config(vocab_size=256, hidden_size=hidden_size, num_layers=num_layers,
+                                       max_len=max_len)
     path = tempfile.mkdtemp(prefix="flexserve-ft-host-")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
@@ -199,13 +199,7 @@ class Bench:
 
 def kernel_seconds(run: Callable[[], Any]) -> float:
     """The summed CUDA kernel time of one `run()` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type.name == "CUDA") / 1e6
+    return sum(t.us for t in harness.kernel_times(run, iters=1).values()) / 1e6
 
 
 def measure(bench: Bench, window_tokens: int, windows_per_sequence: int, repeats: int,

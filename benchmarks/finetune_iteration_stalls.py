@@ -1,8 +1,8 @@
 """Fine-tuning iterations under the TPOT SLO, one by one: measured against the latency model, and
 where the slow ones spend their time.
 
-    python benchmarks/finetune_iteration_stalls.py --latency-profile \
-        docs/results/profile-llama-3.1-8b-down_proj-h200-2026-11-21.json [--allow-cudnn-sdpa]
+    python benchmarks/finetune_iteration_stalls.py --latency-profile PROFILE.json \
+        [--allow-cudnn-sdpa] [--out]
 
 An offline `LLM` (dummy weights, `slo_tpot_ms` 50, the given latency profile) runs a LoRA r=16
 down_proj job alone for --duration seconds on sequences of 1024-8192 random tokens, so windows are
@@ -14,8 +14,7 @@ the allocator's cudaMalloc/cudaFree/retry counts and garbage-collection time. It
 iterations over --stall-ratio x their (uncorrected) prediction with their breakdown, and a
 summary line (tokens/s, iteration-time percentiles, stalls). The timers synchronize, so absolute
 throughput is below an untimed run's. `--allow-cudnn-sdpa` lets the backward window attention
-use cuDNN again (it is excluded because of its per-shape plan builds; docs/benchmarks.md,
-session 7).
+use cuDNN again (it is excluded because of its per-shape plan builds; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -23,9 +22,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 
@@ -53,7 +57,7 @@ def main() -> None:
     parser.add_argument("--allow-cudnn-sdpa", action="store_true")
     parser.add_argument("--length-scale", type=float, default=1.0,
                         help="scale the 1024-8192 sequence lengths (CPU smoke runs)")
-    parser.add_argument("--out", default=None, help="append the summary line (JSON) here")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()  # the CPU runs it only as a smoke test
 
@@ -68,7 +72,7 @@ def main() -> None:
     if args.allow_cudnn_sdpa:
         backward_ops.WINDOW_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION,
                                              *backward_ops.WINDOW_SDPA_BACKENDS]
-    from finetune_throughput import install_timers  # benchmarks/, the script's directory
+    from benchmarks.finetune_throughput import install_timers
 
     current = install_timers()
     install_gc_timer(current)
@@ -122,8 +126,7 @@ def main() -> None:
         print("slow:", json.dumps(r))
     times = sorted(r["measured_ms"] for r in timed)
     summary = {
-        "model": args.model, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "cudnn_sdpa": args.allow_cudnn_sdpa, "iterations": len(timed),
+        "model": args.model, "cudnn_sdpa": args.allow_cudnn_sdpa, "iterations": len(timed),
         "finetune_tokens_per_s": round(sum(r["shape"].get("finetune_tokens", 0)
                                            for r in timed) / total_s),
         "iteration_ms_p50_p90_p99_max": [times[int(q * len(times))] for q in (.5, .9, .99)]
@@ -132,10 +135,7 @@ def main() -> None:
         "seconds_in_slow_iterations": round(sum(r["measured_ms"] for r in stalls) / 1e3, 2),
         "seconds": round(total_s, 2),
     }
-    print(json.dumps(summary), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(summary) + "\n")
+    harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True)).write(summary)
 
 
 if __name__ == "__main__":

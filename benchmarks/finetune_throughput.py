@@ -2,7 +2,7 @@
 LoRA target set, on a dummy-weight model (FlexLLM's setup: LoRA r=16, AdamW, batch 1).
 
     python benchmarks/finetune_throughput.py --model llama-3.1-8b --seq-lens 1024 4096 8192 \
-        --targets down_proj all --out results.jsonl
+        --targets down_proj all --out
 
 One job per (targets, length) trains `--num-sequences` random-token sequences (one optimizer step
 each, every token in the loss) after one warm-up step. The budget per iteration is
@@ -26,10 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -74,7 +79,7 @@ def main() -> None:
     parser.add_argument("--window-attention", choices=["flash", "cudnn-buckets"], default=None,
                         help="FLEXSERVE_WINDOW_ATTENTION for this run [the variable, else "
                              "backward_ops' default]")
-    parser.add_argument("--out", default=None)
+    harness.add_out_argument(parser)
     args = parser.parse_args()
     if args.window_attention is not None:
         os.environ["FLEXSERVE_WINDOW_ATTENTION"] = args.window_attention
@@ -97,7 +102,7 @@ def main() -> None:
         layer_backward.LORA_KERNEL_DTYPES = () if torch_path else lora_kernel_dtypes
         # only the dropout masks ask activation_store's dispatch
         activation_store.use_triton = (lambda device: False) if torch_path else mask_dispatch
-        # and the forward applies them as tensors (before session 17 it always did)
+        # and the forward applies them as tensors
         capture._keeps_dropout_tensors = (lambda *_: True) if torch_path else keeps_dropout_tensors
 
     max_len = max(args.seq_lens)
@@ -111,7 +116,7 @@ def main() -> None:
               loss_chunk_rows=args.loss_chunk_rows)
     engine = llm.engine
     vocab = engine.info.vocab_size
-    rows = []
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     cases = [(t, n, p, b) for t in args.targets for n in args.seq_lens for p in args.lora_dropouts
              for b in args.lora_backward]
     for targets, seq_len, lora_dropout, lora_backward in tqdm(cases, desc="fine-tuning cases"):
@@ -179,7 +184,6 @@ def main() -> None:
             "plan_device_gb": round(layers.device_bytes_per_token * seq_len / 1e9, 3),
             "plan_host_gb": round(layers.host_bytes_per_token * seq_len / 1e9, 3),
             "losses": [round(x, 4) for x in job.losses],
-            "gpu": torch.cuda.get_device_name(),
         }
         if kernel_table is not None:
             row["gpu_ms_per_sequence_by_kernel"] = kernel_table
@@ -188,15 +192,10 @@ def main() -> None:
         if timers is not None:
             row["seconds_per_sequence_by_part"] = {
                 k: round(v / args.num_sequences, 4) for k, v in sorted(timers.items())}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        writer.write(row)
         engine.executor.remove_finetune_job(job.job_id)
         engine.scheduler.finetune.remove_job(job.job_id)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
 
 
 def _start_profiler():

@@ -16,7 +16,7 @@ CPU time of the process (`time.process_time`), so other load on the machine matt
 with OMP_NUM_THREADS=1. Steps are means (a periodic cost, e.g. a latency-model refit, counts).
 
     OMP_NUM_THREADS=1 python benchmarks/host_overhead.py --batch-sizes 1 32 64 [--profile] \
-        [--out results.jsonl]
+        [--out]
 """
 
 from __future__ import annotations
@@ -24,16 +24,20 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
+import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 
 # CPU time of this process, not wall time: other processes on a shared machine then barely move
@@ -43,13 +47,8 @@ clock = time.process_time
 
 def tiny_model_dir(vocab_size: int, num_layers: int, hidden_size: int, max_len: int) -> str:
     """A directory with only a config.json (weights come from load_format="dummy")."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_len, rms_norm_eps=1e-6,
-    )
+    config = harness.tiny_llama_config(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                                       max_len=max_len)
     path = tempfile.mkdtemp(prefix="flexserve-host-overhead-")
     config.to_json_file(os.path.join(path, "config.json"))
     return path
@@ -121,7 +120,7 @@ def measure_step(llm: Any, timer: DeviceTimer, batch: int, prompt_len: int, num_
     engine.abort_request(ids)
     step_ms = sum(step_s) / len(step_s) * 1e3
     device_ms = sum(device_s) / len(device_s) * 1e3
-    median_host_ms = median([s - d for s, d in zip(step_s, device_s)]) * 1e3
+    median_host_ms = harness.median([s - d for s, d in zip(step_s, device_s)]) * 1e3
     return {"what": "engine.step", "batch": batch, "step_ms": round(step_ms, 3),
             "device_ms": round(device_ms, 3), "host_ms": round(step_ms - device_ms, 3),
             "median_host_ms": round(median_host_ms, 3)}
@@ -153,14 +152,10 @@ def measure_generate(llm: Any, timer: DeviceTimer, batch: int, prompt_len: int,
         total_s, total_device_s = timed(full, profiler)
         per_token.append((total_s - prefill_s) / (output_len - 1))
         per_token_device.append((total_device_s - prefill_device_s) / (output_len - 1))
-    step_ms = median(per_token) * 1e3
-    device_ms = median(per_token_device) * 1e3
+    step_ms = harness.median(per_token) * 1e3
+    device_ms = harness.median(per_token_device) * 1e3
     return {"what": "LLM.generate", "batch": batch, "step_ms": round(step_ms, 3),
             "device_ms": round(device_ms, 3), "host_ms": round(step_ms - device_ms, 3)}
-
-
-def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
 
 
 def main() -> None:
@@ -179,7 +174,7 @@ def main() -> None:
                         help="token ids only (like the shipped benchmark configs)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile top-N")
     parser.add_argument("--top", type=int, default=40, help="rows of the cProfile table")
-    parser.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
 
     from flexserve import LLM
@@ -197,7 +192,7 @@ def main() -> None:
     timer = DeviceTimer(llm.engine.core.executor)
     step_profiler = cProfile.Profile() if args.profile else None
     generate_profiler = cProfile.Profile() if args.profile else None
-    rows = []
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     for batch in tqdm(args.batch_sizes, desc="batch sizes"):
         for row in (
             measure_step(llm, timer, batch, args.prompt_len, args.steps, vocab_size,
@@ -206,12 +201,7 @@ def main() -> None:
                              args.repeats, generate_profiler),
         ):
             row.update(tokenizer=tokenizer_dir is not None, torch_threads=torch.get_num_threads())
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+            writer.write(row)
     for name, profiler in (("engine.step", step_profiler), ("LLM.generate", generate_profiler)):
         if profiler is None:
             continue

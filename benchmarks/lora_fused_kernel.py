@@ -8,17 +8,21 @@ launches); "fused_bgmv_down" keeps down on shrink + expand (5 launches), since d
 layers, each layer with its own weights (so they come from HBM, as in a real step), and replayed;
 the JSON lines give microseconds per layer (replay time / layers).
 
-    python benchmarks/lora_fused_kernel.py --out lora_fused.jsonl
+    python benchmarks/lora_fused_kernel.py --out
     python benchmarks/lora_fused_kernel.py --smoke   # tiny shapes, CPU, Triton's interpreter, no timing
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 # (in, outs) of each fused launch of a Llama-3.1-8B layer: hidden 4096, q 4096, k/v 1024, MLP 14336.
 LLAMA8B_LAUNCHES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
@@ -83,26 +87,14 @@ def bench_layer_graph(
     max_diff = (results["fused"] - results["bgmv"]).abs().max().item()
 
     row = dict(batch=batch, rank=rank, num_slots=num_slots, layers=num_layers, dtype=str(dtype).removeprefix("torch."),
-               device="cpu-interpreter" if smoke else torch.cuda.get_device_name(device),
+               device="cpu-interpreter" if smoke else harness.gpu_name(),
                fused_vs_bgmv_max_abs_diff=max_diff)
     for path, num_launches in PATHS.items():
         if smoke:
             run(path)
             continue
-        run(path)  # compile the kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(path)
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        us_per_layer = start.elapsed_time(end) * 1e3 / (replays * num_layers)
+        graph = harness.cuda_graph(lambda: run(path))  # the kernels compile outside the capture
+        us_per_layer = harness.mean_ms(graph.replay, iters=replays, warmup=3) * 1e3 / num_layers
         row[f"{path}_us_per_layer"] = round(us_per_layer, 2)
         row[f"{path}_launches_per_layer"] = num_launches
         del graph
@@ -115,21 +107,17 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32, help="layers captured in one graph (Llama-3.1-8B: 32)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--slots", type=int, default=4)
-    p.add_argument("--out", help="append the JSON lines to this file too")
+    harness.add_out_argument(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1, untimed")
     args = p.parse_args()
     if args.smoke:
         # Before anything imports triton: the interpreter is chosen when functions are decorated.
         os.environ["TRITON_INTERPRET"] = "1"
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     for batch in args.batches:
-        row = bench_layer_graph(batch, num_layers=2 if args.smoke else args.layers, rank=args.rank,
-                                num_slots=args.slots, dtype=torch.float16 if args.smoke else torch.bfloat16,
-                                smoke=args.smoke)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        writer.write(bench_layer_graph(batch, num_layers=2 if args.smoke else args.layers, rank=args.rank,
+                                       num_slots=args.slots, dtype=torch.float16 if args.smoke else torch.bfloat16,
+                                       smoke=args.smoke))
 
 
 if __name__ == "__main__":

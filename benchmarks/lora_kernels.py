@@ -8,7 +8,7 @@ must move (x rows and y rows of tokens with an adapter, the touched adapters' A 
 device's measured copy bandwidth. `wall` is back-to-back calls with the host in the loop: at decode
 sizes it shows launch overhead, which do_bench hides behind its L2 flush.
 
-    python benchmarks/lora_kernels.py --out lora_kernels.jsonl
+    python benchmarks/lora_kernels.py --out
     python benchmarks/lora_kernels.py --smoke   # tiny shapes, CPU, Triton's interpreter: checks the script
 
 Rows are interleaved over adapters (row i has adapter i % n), so decode batches with 8 adapters
@@ -18,12 +18,15 @@ are one-token segments (BGMV) and with one adapter a single segment.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+import sys
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 # (in, out) of each projection.
 LLAMA8B_PROJECTIONS = {
@@ -44,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 8])
     p.add_argument("--projections", nargs="+", choices=sorted(LLAMA8B_PROJECTIONS), default=list(LLAMA8B_PROJECTIONS))
     p.add_argument("--layers", type=int, default=32, help="layers in the per-step estimate (Llama-3.1-8B: 32)")
-    p.add_argument("--out", help="append one JSON line per measurement to this file")
+    harness.add_out_argument(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     return p.parse_args()
 
@@ -82,40 +85,17 @@ def floor_bytes(meta, in_size: int, out_size: int, rank: int, elem: int) -> int:
     return shrink + expand
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Device copy bandwidth in bytes/s (read + write of 512 MiB), the floor's denominator."""
-    import triton
+def make_timers(device: torch.device):
+    """(device_us, wall_us): do_bench's median, and back-to-back calls with the host in the loop
+    (on the CPU, under the interpreter, both are one timed call)."""
+    def device_us(fn):
+        return harness.do_bench_us(fn, device=device)
 
-    n = 1 << 28
-    src = torch.empty(n, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * n * 2 / (ms / 1e3)
-
-
-def make_timers(smoke: bool):
-    if smoke:
-        def device_us(fn):
-            fn()
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e6
+    if device.type != "cuda":
         return device_us, device_us
 
-    import triton
-
-    def device_us(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-    def wall_us(fn, calls: int = 200):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / calls * 1e6
+    def wall_us(fn):
+        return harness.wall_us(fn, iters=200, warmup=10).drained_us
 
     return device_us, wall_us
 
@@ -129,8 +109,8 @@ def main() -> None:
     # The interpreter multiplies bfloat16 bit patterns in tl.dot (triton-lang/triton#11584).
     dtype = torch.float16 if args.smoke else DTYPES[args.dtype]
     projections = SMOKE_PROJECTIONS if args.smoke else LLAMA8B_PROJECTIONS
-    timers = make_timers(args.smoke)
-    bandwidth = None if args.smoke else copy_bandwidth(device)
+    timers = make_timers(device)
+    bandwidth = None if args.smoke else harness.copy_bandwidth(timers[0], device)
     batches = [("decode", b) for b in args.decode_batches] + [("prefill", t) for t in args.prefill_tokens]
     if args.smoke:
         batches = [(kind, min(tokens, 20)) for kind, tokens in batches]
@@ -139,6 +119,7 @@ def main() -> None:
     for name in args.projections:
         shapes.setdefault(projections[name], []).append(name)
 
+    writer = harness.JsonlWriter(args.out, __file__, echo=None)
     results = []
     todo = [(kind, tokens, n, shape) for kind, tokens in batches for n in args.adapters for shape in shapes]
     for kind, tokens, num_adapters, shape in tqdm(todo, desc="lora kernels"):
@@ -147,12 +128,10 @@ def main() -> None:
             projections="/".join(shapes[shape]),
             floor_us=None if bandwidth is None else round(row["floor_bytes"] / bandwidth * 1e6, 2),
             copy_gb_s=None if bandwidth is None else round(bandwidth / 1e9, 1),
-            device="cpu-interpreter" if args.smoke else torch.cuda.get_device_name(device),
+            device="cpu-interpreter" if args.smoke else harness.gpu_name(),
         )
         results.append(row)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        writer.write(row)
     print_table(results, args.layers)
 
 

@@ -12,12 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -66,7 +71,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--repeats", type=int, default=3, help="round-robin repetitions (median)")
-    parser.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
 
     from flexserve import LLM, SamplingParams
@@ -90,6 +95,7 @@ def main() -> None:
         enable_lora=max_adapters > 0, max_loras=max(max_adapters, 1), max_lora_rank=args.rank,
     )
     g = torch.Generator().manual_seed(0)
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     results = []
     for batch in tqdm(args.batch_sizes, desc="batch sizes"):
         prompts = torch.randint(100, hf_config.vocab_size - 100, (batch, args.input_len), generator=g).tolist()
@@ -121,12 +127,8 @@ def main() -> None:
                 "tpot_ms_min": round(tpots[0] * 1e3, 3), "tpot_ms_max": round(tpots[-1] * 1e3, 3),
                 "output_tok_s": round(batch * args.output_len / totals[len(totals) // 2], 1),
             }
-            print(json.dumps(row), flush=True)
+            writer.write(row)
             results.append(row)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in results:
-                f.write(json.dumps(row) + "\n")
     base = {r["batch"]: r["tpot_ms"] for r in results if r["num_adapters"] == 0}
     print(f"{'batch':>5} {'adapters':>8} {'TPOT ms':>8} {'min-max':>15} {'vs base':>8} {'out tok/s':>10}")
     for r in results:

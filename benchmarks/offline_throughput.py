@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 
 def random_prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -28,33 +32,13 @@ def random_prompts(batch: int, input_len: int, vocab_size: int, seed: int) -> li
     return torch.randint(100, vocab_size - 100, (batch, input_len), generator=g).tolist()
 
 
-def median_event_ms(fn, reps: int = 20, warmup: int = 0) -> float:
-    """Median time of `fn()` on the device clock, from CUDA events around it (host work before
-    its first kernel included), after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def measure_peaks(device: torch.device) -> dict[str, float]:
     """The two ceilings: device copy bandwidth (read + write) and bf16 matmul rate."""
-    n = 1 << 28  # 256 Mi bf16 elements = 512 MiB
-    src = torch.randn(n, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    copy_s = median_event_ms(lambda: dst.copy_(src), 20, warmup=3) / 1e3
-    mm_s = median_event_ms(lambda: a @ b, 20, warmup=3) / 1e3
-    return {"copy_tb_s": 2 * n * 2 / copy_s / 1e12, "matmul_tflop_s": 2 * 8192**3 / mm_s / 1e12}
+    def timer_us(fn) -> float:
+        return harness.time_ms(fn, iters=20, warmup=3, device=device) * 1e3
+
+    return {"copy_tb_s": harness.copy_bandwidth(timer_us, device) / 1e12,
+            "matmul_tflop_s": harness.matmul_peak(timer_us, device) / 1e12}
 
 
 def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], enforce_eager: bool,
@@ -191,7 +175,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="flexserve: launch each decode step before the previous one's "
                              "tokens reach the host [on]")
-    parser.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
 
     from flexserve.model.registry import resolve_model
@@ -203,21 +187,17 @@ def main() -> None:
         prefill_prompt = random_prompts(1, args.prefill_len, hf_config.vocab_size, args.seed + 1)[0]
     device = torch.device("cuda")
     peaks = measure_peaks(device)
-    results = [{"peaks": peaks, "gpu": torch.cuda.get_device_name(device),
-                "floors": floors(hf_config, args, peaks)}]
-    print(json.dumps(results[0]), flush=True)
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
+    results = [{"peaks": peaks, "floors": floors(hf_config, args, peaks)}]
+    writer.write(results[0])
     for backend in tqdm(args.backends, desc="backends"):
         if backend == "hf":
             rows = run_hf(args, prompts, hf_config, prefill_prompt)
         else:
             rows = run_flexserve(args, prompts, backend == "flexserve-eager", prefill_prompt)
         for row in rows:
-            print(json.dumps(row), flush=True)
+            writer.write(row)
         results.extend(rows)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in results:
-                f.write(json.dumps(row) + "\n")
     fl = results[0]["floors"]
     print(f"{'backend':16} {'batch':>5} {'prefill s':>10} {'total s':>9} {'TPOT ms':>8} "
           f"{'floor ms':>8} {'x floor':>7} {'out tok/s':>10}")

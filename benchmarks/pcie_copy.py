@@ -1,7 +1,7 @@
 """Host <-> device copy bandwidth over pinned memory, alone and while a GEMM runs on the compute
 stream (what `--finetune-activation-offload` relies on: its copies run on a side stream).
 
-    python benchmarks/pcie_copy.py [--gib 1] [--out results.jsonl]
+    python benchmarks/pcie_copy.py [--gib 1] [--out]
 
 Prints one JSON line: the first cudaHostAlloc of a size (the caching host allocator's cost for a
 new size), D2H and H2D GB/s alone, both again on a side stream under back-to-back bf16 GEMMs
@@ -11,46 +11,35 @@ new size), D2H and H2D GB/s alone, both again on a side stream under back-to-bac
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def _gpu_ms(fn, iters: int) -> float:
-    """Mean device milliseconds of `iters` back-to-back calls between two events. Not
-    offline_throughput.median_event_ms: it synchronizes the device after every call, which would
-    also wait for the side stream's copies that the GEMM timings below must overlap."""
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="bytes per copy [%(default)s GiB]")
-    parser.add_argument("--out", default=None)
+    harness.add_out_argument(parser)
     args = parser.parse_args()
     n = int(args.gib * (1 << 30))
     t0 = time.perf_counter()
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     alloc_s = time.perf_counter() - t0
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
-    row = {"gpu": torch.cuda.get_device_name(), "bytes": n, "pinned_alloc_s": round(alloc_s, 3)}
+    row = {"bytes": n, "pinned_alloc_s": round(alloc_s, 3)}
+    # harness.mean_ms: back-to-back calls between two events, no synchronize after each call
     for name, fn in (("d2h", lambda: host.copy_(dev, non_blocking=True)),
                      ("h2d", lambda: dev.copy_(host, non_blocking=True))):
-        _gpu_ms(fn, 2)
-        row[f"{name}_gb_s"] = round(n / _gpu_ms(fn, 5) / 1e6, 1)
+        row[f"{name}_gb_s"] = round(n / harness.mean_ms(fn, iters=5, warmup=2) / 1e6, 1)
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)
     gemm = lambda: x @ w.T  # noqa: E731
-    _gpu_ms(gemm, 10)
-    row["gemm_ms"] = round(_gpu_ms(gemm, 50), 3)
+    row["gemm_ms"] = round(harness.mean_ms(gemm, iters=50, warmup=10), 3)
     side = torch.cuda.Stream()
     for name, fn in (("d2h", lambda: host.copy_(dev, non_blocking=True)),
                      ("h2d", lambda: dev.copy_(host, non_blocking=True))):
@@ -61,13 +50,10 @@ def main() -> None:
             for _ in range(4):
                 fn()
             c1.record(side)
-        row[f"gemm_ms_under_{name}"] = round(_gpu_ms(gemm, 50), 3)
+        row[f"gemm_ms_under_{name}"] = round(harness.mean_ms(gemm, iters=50), 3)
         torch.cuda.synchronize()
         row[f"{name}_gb_s_under_gemm"] = round(4 * n / c0.elapsed_time(c1) / 1e6, 1)
-    print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True)).write(row)
 
 
 if __name__ == "__main__":

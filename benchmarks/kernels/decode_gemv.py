@@ -8,19 +8,22 @@ GEMV's tile configs at one row on every shape (the source of `flexserve_kernels.
 table), then times the best dozen at 2 and 4
 rows; part 2 times the lm_head with fp32 logits out and the argmax over 128,256 logits.
 
-    python benchmarks/kernels/decode_gemv.py --out decode_gemv.jsonl
+    python benchmarks/kernels/decode_gemv.py --out
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 from flexserve_kernels.argmax import argmax
 from flexserve_kernels.gemv import gemv
 
@@ -35,38 +38,18 @@ CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
 
 def graph_us(fn, launches: int, reps: int = 20) -> float:
     """Median microseconds per launch of `fn` (which makes `launches` launches) replayed as a graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn(), fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / launches)
-    return sorted(times)[reps // 2]
+    graph = harness.cuda_graph(fn, warmup=2)
+    return harness.time_ms(graph.replay, iters=reps, warmup=1) * 1000 / launches
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="append one JSON line per measurement")
+    harness.add_out_argument(parser)
     args = parser.parse_args()
-    out = open(args.out, "a") if args.out else None
+    writer = harness.JsonlWriter(args.out, __file__, echo=tqdm.write)
 
     def emit(**record) -> None:
-        line = json.dumps(record)
-        tqdm.write(line)
-        if out:
-            out.write(line + "\n")
-            out.flush()
+        writer.write(record)
 
     torch.manual_seed(0)
     best: dict[str, list] = {}

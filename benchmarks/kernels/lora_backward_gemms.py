@@ -10,25 +10,21 @@ rounding the frozen product before the sum, for windows of 16 to 4096 rows. The 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 from flexserve.worker.backward_ops import addmm_fp32, mm_fp32, split_bf16
 
 RANK, HIDDEN, INTER = 16, 4096, 14336
 
 
-def mean_us(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps * 1e6
+def mean_us(fn) -> float:
+    return harness.wall_us(fn, iters=20, warmup=3).drained_us
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ engine's decode steps (`down_proj_decode`: folded, cuda or triton; with auto, a 
 shrinks are folded into its GEMM stays folded: max_loras x max_rank over 12.5% of hidden_size,
 e.g. --rank 128, unfolds it). A table of TPOT per backend follows the JSON lines.
 
-    python benchmarks/kernels/lora_bgmv_cuda.py --out lora_bgmv_cuda.jsonl
+    python benchmarks/kernels/lora_bgmv_cuda.py --out
     python benchmarks/kernels/lora_bgmv_cuda.py --part kernels --batches 1 16 64
     python benchmarks/kernels/lora_bgmv_cuda.py --part e2e --out lora_bgmv_e2e.jsonl
 """
@@ -40,6 +40,9 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 # (in, outs) of each LoRA group of a Llama-3.1-8B layer: hidden 4096, q 4096, k/v 1024, MLP 14336.
 LLAMA8B_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
@@ -113,32 +116,19 @@ def bench_kernels(batch: int, *, num_layers: int, rank: int, num_slots: int, rep
         for name, w in wides.items():
             w.copy_(start_values[name])
     row = dict(part="kernels", batch=batch, rank=rank, num_adapters=num_slots, layers=num_layers, dtype="bfloat16",
-               device=torch.cuda.get_device_name(device),
+               device=harness.gpu_name(),
                cuda_vs_triton_max_abs_diff=(results["cuda_bgmv"] - results["triton_bgmv"]).abs().max().item())
     for path in PATHS:
-        run(path)  # compile the Triton kernels outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run(path)
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        row[f"{path}_us_per_layer"] = round(start.elapsed_time(end) * 1e3 / (replays * num_layers), 2)
+        graph = harness.cuda_graph(lambda: run(path))  # the Triton kernels compile outside the capture
+        us_per_layer = harness.mean_ms(graph.replay, iters=replays, warmup=3) * 1e3 / num_layers
+        row[f"{path}_us_per_layer"] = round(us_per_layer, 2)
         del graph
     return row
 
 
 def bench_e2e_one(args: argparse.Namespace) -> None:
     """Decode TPOT with args.num_adapters adapters in this process's backend; prints JSON lines."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from lora_serving import write_random_adapter
-
+    from benchmarks.lora_serving import write_random_adapter
     from flexserve import LLM, SamplingParams
     from flexserve.engine.lora_request import LoRARequest
     from flexserve.model.registry import resolve_model
@@ -180,7 +170,7 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
                               tpot_ms_min=round(tpots[0] * 1e3, 3), tpot_ms_max=round(tpots[-1] * 1e3, 3),
                               down_proj_decode=down_proj_decode(runner, batch),
                               cuda_graphs=runner.graph_runner is not None,
-                              device=torch.cuda.get_device_name())),
+                              device=harness.gpu_name())),
               flush=True)
 
 
@@ -212,6 +202,7 @@ def run_e2e(args: argparse.Namespace, batches: list[int]) -> list[dict]:
              "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     rows = []
     with tqdm(total=len(args.backends) * len(batches), desc="e2e decode TPOT", unit="batch") as bar:
+        writer = harness.JsonlWriter(args.out, __file__, echo=bar.write)
         for backend in args.backends:
             bar.set_postfix(backend=backend)
             env = dict(os.environ, FLEXSERVE_LORA_DECODE_BACKEND=backend)
@@ -221,7 +212,7 @@ def run_e2e(args: argparse.Namespace, batches: list[int]) -> list[dict]:
                     if line.startswith("{"):
                         row = json.loads(line)
                         rows.append(row)
-                        emit(row, args.out, write=bar.write)
+                        writer.write(row)
                         bar.update()
                 if proc.wait() != 0:
                     log.seek(0)
@@ -254,18 +245,6 @@ def print_e2e_table(rows: list[dict]) -> None:
         print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
 
 
-def emit(row: dict, out: str | None, write=None) -> None:
-    """Print a JSON line (through `write`, e.g. a progress bar's, if given) and append it to `out`."""
-    line = json.dumps(row)
-    if write is None:
-        print(line, flush=True)
-    else:
-        write(line)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("all", "kernels", "e2e", "e2e-one"), default="all",
@@ -283,7 +262,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="e2e: timed runs per batch (median)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--out", help="append the JSON lines to this file too")
+    harness.add_out_argument(p)
     args = p.parse_args()
     if args.output_len < 2:
         p.error("--output-len must be at least 2 (TPOT needs two tokens)")
@@ -296,9 +275,10 @@ def main() -> None:
     if load_lora_bgmv() is None:  # also builds it once here, before the e2e processes start
         sys.exit(f"the CUDA BGMV extension is unavailable: {unavailable_reason() or 'its build failed (see log)'}")
     if args.part in ("all", "kernels"):
+        writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
         for batch in args.batches or KERNEL_BATCHES:
-            emit(bench_kernels(batch, num_layers=args.layers, rank=args.rank, num_slots=args.num_adapters,
-                               replays=args.replays), args.out)
+            writer.write(bench_kernels(batch, num_layers=args.layers, rank=args.rank, num_slots=args.num_adapters,
+                                       replays=args.replays))
     if args.part in ("all", "e2e"):
         torch.cuda.empty_cache()  # the engines below size their KV cache from the free memory
         print_e2e_table(run_e2e(args, args.batches or E2E_BATCHES))

@@ -17,18 +17,22 @@ sums, and a sum near a rounding boundary of bf16 can land one step away.
 --term-tiles adds the tile sweep of the term alone (`lora_train_dx_term`, what runs above
 MAX_TERM_DA_RANK): every (BLOCK_M, BLOCK_N) x num_warps candidate in both forms, whose output
 must equal the default's bit for bit (the tiles change no arithmetic). The term's default tiles
-are this sweep's choice.
+come from this sweep.
 
 One JSON line per shape to stdout and appended to --out.
 
-    PYTHONPATH=... python benchmarks/kernels/lora_dx_term_da.py [--term-tiles] --out dx_term_da.jsonl
+    python benchmarks/kernels/lora_dx_term_da.py [--term-tiles] --out
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 SHAPES = ((2048, 4096), (4096, 4096), (8192, 4096), (4096, 5120), (4096, 8192), (4096, 14336))
 # (BLOCK_M, BLOCK_K, num_warps, programs per SM, most row chunks) tried besides the launcher's default
@@ -41,7 +45,7 @@ TERM_WARPS = (2, 4, 8)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--term-tiles", action="store_true", help="also sweep the tiles of the term alone")
@@ -54,29 +58,21 @@ def main() -> None:
     from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_dx_term, lora_train_dx_term_da_bwd
     from flexserve_kernels.lora_meta import LoRAKernelMeta
 
-    from torch.profiler import ProfilerActivity, profile
-
     device = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # over the L2
+    flush = harness.l2_flush_buffer(device)
+    writer = harness.JsonlWriter(args.out, __file__, echo=tqdm.write)
 
     def bench(fn, iters: int = 20) -> float:
-        fn()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                flush.zero_()
-                fn()
-            torch.cuda.synchronize()
+        times = harness.kernel_times(fn, iters=iters, warmup=1, flush_l2=flush)
         # the flushes are fills; neither form launches one (every row has the adapter)
-        kernels = [e for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and "Fill" not in e.key]
-        return round(sum(e.self_device_time_total for e in kernels) / iters, 2)
+        return round(sum(t.us for name, t in times.items() if "Fill" not in name), 2)
     for m, k in tqdm(SHAPES, desc="dx term + dA"):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         ds = torch.randn(m, args.rank, device=device)
         lora_a = torch.randn(1, args.rank, k, device=device, dtype=torch.bfloat16) / k ** 0.5
         meta = LoRAKernelMeta.build([m], [0], device)
         slots = LoRATrainSlots.build([1.0], [args.dropout], device)
-        row = dict(m=m, in_size=k, rank=args.rank, dropout=args.dropout, gpu=torch.cuda.get_device_name())
+        row = dict(m=m, in_size=k, rank=args.rank, dropout=args.dropout)
         for dtype, name in ((torch.float32, "engine_fp32"), (torch.bfloat16, "blas_bf16")):
             split = dtype == torch.float32  # the engine's form
             floor = torch.empty(m, k, device=device, dtype=dtype)
@@ -112,11 +108,7 @@ def main() -> None:
                 if not torch.equal(run(), want_term):
                     raise AssertionError(f"{name}: the term at {bm} x {bn}, {warps} warps differs from the default")
                 row[f"{name}_term_{bm}x{bn}_w{warps}_us"] = bench(run)
-        line = json.dumps(row)
-        tqdm.write(line)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(line + "\n")
+        writer.write(row)
 
 
 if __name__ == "__main__":

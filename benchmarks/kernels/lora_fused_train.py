@@ -8,7 +8,6 @@ autotuner) of one LoRA linear:
               below timed faster at this shape, the backward's on cuBLAS);
   fused_blas  base_gemm="blas": Triton for the LoRA kernels, cuBLAS for the frozen GEMMs with the
               LoRA terms as their C operands;
-  fused_triton  base_gemm="triton" (the frozen GEMMs in Triton too);
   fused_tma   base_gemm="tma" (the frozen GEMMs in Triton over TMA, persistent, the LoRA products
               in their accumulators: no LoRA term through memory);
   torch_lora  PEFT's lora.Linear (base F.linear + dropout + lora_A + lora_B + scale + add, unfused);
@@ -24,12 +23,13 @@ autotuner) of one LoRA linear:
               Hopper GPU it also records the TMA form's autotuned tiles and tail split
               (`tma_tiles`, `tma_tail_tiles`, `tma_tail_split`: kernel 2's last round of tiles
               split over K where SMs would idle);
-and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_triton) vs torch_multi (the
-unfused path per adapter: base F.linear once, each adapter's LoRA on its rows, one add). Gradients
-are to x, A and B (W frozen) in every LoRA path. Each case also records the fused path's max error
-vs torch at dropout 0 (relative to max |y|), so a broken kernel shows in the JSON.
+and a 4-adapter case (m / 4 tokens each, --multi-adapters): fused_multi (and fused_multi_<form> per
+--forms) vs torch_multi (the unfused path per adapter: base F.linear once, each adapter's LoRA on its
+rows, one add). Gradients are to x, A and B (W frozen) in every LoRA path. Each case also records
+the fused path's max error vs torch at dropout 0 (relative to max |y|), so a broken kernel shows in
+the JSON.
 
-    python benchmarks/kernels/lora_fused_train.py --out lora_fused_train.jsonl
+    python benchmarks/kernels/lora_fused_train.py --out
     python benchmarks/kernels/lora_fused_train.py --smoke   # tiny shapes, CPU, Triton's interpreter
 """
 
@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 SIZES = (4096, 5120, 8192)  # n = k
 TOKENS = (2048, 4096, 8192)  # m
@@ -57,54 +59,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=32.0)
     p.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout probability of every adapter")
     p.add_argument("--multi-adapters", type=int, default=4, help="adapters of the multi-adapter case (0: skip)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out", default=None, help="append JSON lines here (default: stdout only)")
+    harness.add_timing_arguments(p, warmup=10, iters=30)
+    harness.add_out_argument(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="n = k values (default: LoRAFusion's)")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="m values (default: LoRAFusion's)")
-    p.add_argument("--forms", nargs="+", default=["blas", "triton", "tma"],
-                   help="base_gemm forms timed besides the default (the fused path)")
+    p.add_argument("--forms", nargs="+", choices=("blas", "tma", "auto"), default=["blas", "tma"],
+                   help="base_gemm forms timed besides the default (the fused path) [%(default)s]")
     p.add_argument("--kernel-table", action="store_true",
                    help="also print each path's CUDA kernels (torch.profiler, ms per step)")
     return p.parse_args()
 
 
-def time_ms(fn, warmup: int, iters: int, smoke: bool) -> float:
-    """Median milliseconds of fn() over iters calls (CUDA events; wall clock in smoke mode)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if smoke:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end))
-    return statistics.median(times)
-
-
 def kernel_ms(fn, iters: int, table: str | None = None) -> float:
     """GPU milliseconds per fn() call: the sum of its CUDA kernels' times (torch.profiler), which
     leaves out host launch overhead and idle gaps. With `table`, prints the kernels under it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = harness.kernel_times(fn, iters=iters)
     if table:
         tqdm.write(f"-- {table}")
-        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
-            tqdm.write(f"  {e.self_device_time_total / iters / 1e3:8.4f} ms  x{e.count // iters:<2d} {e.key[:110]}")
-    return sum(e.self_device_time_total for e in kernels) / iters / 1e3
+        for name, t in sorted(kernels.items(), key=lambda item: -item[1].us)[:12]:
+            tqdm.write(f"  {t.us / 1e3:8.4f} ms  x{int(t.launches):<2d} {name[:110]}")
+    return sum(t.us for t in kernels.values()) / 1e3
 
 
 def peft_linear(weight: torch.Tensor, rank: int, alpha: float, dropout: float) -> torch.nn.Module:
@@ -221,9 +196,11 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
     rows = []
     for path, (forward, params) in paths.items():
         backward = path not in FORWARD_ONLY
-        row = dict(path=path, fwd_ms=round(time_ms(step(forward, params, False), args.warmup, args.iters, args.smoke), 4))
+        row = dict(path=path, fwd_ms=round(harness.time_ms(step(forward, params, False), iters=args.iters,
+                                                           warmup=args.warmup, device=device), 4))
         if backward:
-            row.update(fwd_bwd_ms=round(time_ms(step(forward, params, True), args.warmup, args.iters, args.smoke), 4))
+            row.update(fwd_bwd_ms=round(harness.time_ms(step(forward, params, True), iters=args.iters,
+                                                        warmup=args.warmup, device=device), 4))
         if not args.smoke:
             label = f"{path} m={m} n=k={size}" if args.kernel_table else None
             row.update(gpu_fwd_ms=round(kernel_ms(step(forward, params, False), args.iters, label), 4))
@@ -259,21 +236,15 @@ def main() -> None:
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     sizes, tokens = (SMOKE_SIZES, SMOKE_TOKENS) if args.smoke else (args.sizes or SIZES, args.tokens or TOKENS)
-    device_name = "cpu-interpreter" if args.smoke else torch.cuda.get_device_name(device)
+    device_name = "cpu-interpreter" if args.smoke else harness.gpu_name()
     adapter_cases = [0, args.multi_adapters] if args.multi_adapters else [0]
     todo = [(m, s, a) for a in adapter_cases for s in sizes for m in tokens]
-    out = open(args.out, "a") if args.out else None
+    writer = harness.JsonlWriter(args.out, __file__, echo=tqdm.write)
     for m, size, adapters in tqdm(todo, desc="lora fused train"):
         for row in bench_case(m, size, adapters, args, device, dtype):
-            line = json.dumps(dict(row, device=device_name))
-            tqdm.write(line)
-            if out:
-                out.write(line + "\n")
-                out.flush()
+            writer.write(dict(row, device=device_name))
         if not args.smoke:
             torch.cuda.empty_cache()
-    if out:
-        out.close()
 
 
 if __name__ == "__main__":

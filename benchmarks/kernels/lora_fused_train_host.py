@@ -11,19 +11,20 @@ arguments (the launch floor), torch.empty, an addmm, an autograd Function's forw
 that does nothing, each launcher of the blas form, the fused forward without grad, and a whole
 fused step (forward + backward); PEFT's and the base linear's steps for comparison.
 
-    PYTHONPATH=... python benchmarks/kernels/lora_fused_train_host.py [--tokens 2048 --size 4096] --out host.jsonl
+    python benchmarks/kernels/lora_fused_train_host.py [--tokens 2048 --size 4096] --out
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def main() -> None:
     p.add_argument("--size", type=int, default=4096, help="n = k")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--calls", type=int, default=100)
-    p.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(p)
     args = p.parse_args()
 
     import torch
@@ -52,8 +53,7 @@ def main() -> None:
     from flexserve_kernels.lora_fused_train_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
     from flexserve_kernels.lora_meta import LoRAKernelMeta
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from lora_fused_train import peft_linear
+    from benchmarks.kernels.lora_fused_train import peft_linear
 
     device, dtype, m, size, rank = torch.device("cuda"), torch.bfloat16, args.tokens, args.size, args.rank
     x = torch.randn(m, size, device=device, dtype=dtype).requires_grad_()
@@ -116,26 +116,13 @@ def main() -> None:
         "peft_step": peft_step,
         "base_step": base_step,
     }
-    out = open(args.out, "a") if args.out else None
-    gpu = torch.cuda.get_device_name(device)
+    writer = harness.JsonlWriter(args.out, __file__, echo=None)
+    gpu = harness.gpu_name()
     for name, fn in pieces.items():
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        host = time.perf_counter()
-        torch.cuda.synchronize()
-        drained = time.perf_counter()
-        host_us, drained_us = (host - begin) / args.calls * 1e6, (drained - begin) / args.calls * 1e6
-        print(f"{name:34s} host {host_us:8.1f} us/call   drained {drained_us:8.1f} us/call", flush=True)
-        if out:
-            out.write(json.dumps(dict(piece=name, m=m, n=size, k=size, rank=rank, host_us=round(host_us, 1),
-                                      drained_us=round(drained_us, 1), device=gpu)) + "\n")
-            out.flush()
-    if out:
-        out.close()
+        t = harness.wall_us(fn, iters=args.calls, warmup=5)
+        print(f"{name:34s} host {t.host_us:8.1f} us/call   drained {t.drained_us:8.1f} us/call", flush=True)
+        writer.write(dict(piece=name, m=m, n=size, k=size, rank=rank, host_us=round(t.host_us, 1),
+                          drained_us=round(t.drained_us, 1), device=gpu))
 
 
 if __name__ == "__main__":

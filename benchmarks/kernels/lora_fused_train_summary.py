@@ -1,4 +1,4 @@
-"""Summary table of `lora_fused_train.py`'s JSON lines: the issue's three kernel targets, per case.
+"""Summary table of `lora_fused_train.py`'s JSON lines: the three fused-kernel targets, per case.
 
 For each (adapters, m, n = k) it prints the GPU time (sum of a step's kernels) of the base GEMM's
 forward, each fused form's forward over it, the fused forward's two kernels apart (kernel 2 over
@@ -7,15 +7,19 @@ unfused multi-adapter path's) forward + backward over the default fused path's; 
 averages the targets name: PEFT / fused (>= 1.27x on average, never below 1), the fused forward
 over the base GEMM (<= 1.05x), and 4 adapters over the unfused path (>= 1.13x).
 
-    python benchmarks/kernels/lora_fused_train_summary.py lora_fused_train.jsonl
+    python benchmarks/kernels/lora_fused_train_summary.py docs/results/lora-fused-train-h100-<date>.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 
 def main() -> None:
@@ -23,10 +27,8 @@ def main() -> None:
     p.add_argument("jsonl")
     args = p.parse_args()
     cases: dict[tuple[int, int, int], dict[str, dict]] = defaultdict(dict)
-    with open(args.jsonl) as f:
-        for line in f:
-            row = json.loads(line)
-            cases[(row["num_adapters"], row["m"], row["n"])][row["path"]] = row
+    for row in harness.read_jsonl(args.jsonl):
+        cases[(row["num_adapters"], row["m"], row["n"])][row["path"]] = row
     forms = sorted({path.removeprefix("fused_") for rows in cases.values() for path in rows
                     if path.startswith("fused_") and not path.startswith("fused_multi")})
     print("| adapters | m | n = k | base fwd ms | fused fwd / base | " + " | ".join(f"{f} fwd / base" for f in forms)

@@ -12,14 +12,18 @@ each by a fill that is left out of the sum), which leaves out host launch time.
 One JSON line per (shape, kernel, candidate) to --out; a summary per shape and kernel (default,
 best, ratio) and a table of every candidate's time over the default's per shape to stdout.
 
-    PYTHONPATH=... python benchmarks/kernels/lora_fused_train_tiles.py --out tiles.jsonl
+    python benchmarks/kernels/lora_fused_train_tiles.py --out
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 SIZES = (4096, 5120, 8192)  # n = k
 TOKENS = (2048, 4096, 8192)  # m
@@ -41,16 +45,15 @@ KEYS = {"ds_db": ("block_m", "block_n", "num_warps", "per_sm", "num_stages"),
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="append JSON lines here")
+    harness.add_out_argument(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--iters", type=int, default=15)
+    harness.add_timing_arguments(p, iters=15)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="n = k values")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="m values")
     args = p.parse_args()
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from tqdm.auto import tqdm
 
     from flexserve_kernels.lora_fused_train import LoRATrainSlots, lora_train_shrink_fwd
@@ -58,28 +61,19 @@ def main() -> None:
     from flexserve_kernels.lora_meta import LoRAKernelMeta
 
     device, dtype, rank = torch.device("cuda"), torch.bfloat16, args.rank
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # over the L2
+    flush = harness.l2_flush_buffer(device)
 
     def gpu_us(fn) -> float:
         """GPU microseconds per fn() (its kernels' sum), inf where the candidate fails to build."""
         try:
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.iters):
-                    flush.fill_(1)
-                    fn()
-                torch.cuda.synchronize()
+            kernels = harness.kernel_times(fn, iters=args.iters, warmup=3, flush_l2=flush)
         except Exception as exc:  # e.g. out of shared memory: the candidate is not launchable here
             tqdm.write(f"  failed: {type(exc).__name__}: {str(exc)[:160]}")
             return math.inf
-        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
-                   and "fill" not in e.key.lower() and "elementwise" not in e.key]
-        return sum(e.self_device_time_total for e in kernels) / args.iters
+        return sum(t.us for name, t in kernels.items() if "fill" not in name.lower() and "elementwise" not in name)
 
-    out = open(args.out, "a") if args.out else None
-    gpu = torch.cuda.get_device_name(device)
+    writer = harness.JsonlWriter(args.out, __file__, echo=None)
+    gpu = harness.gpu_name()
     table: dict[tuple, dict] = {}
     shapes = [(m, size) for size in args.sizes for m in args.tokens]
     for m, size in tqdm(shapes, desc="shapes"):
@@ -104,10 +98,8 @@ def main() -> None:
                 us = gpu_us(lambda: calls[kernel](kwargs))
                 times.append(us)
                 table.setdefault((kernel, config), {})[(m, size)] = us
-                if out:
-                    out.write(json.dumps(dict(m=m, n=size, k=size, rank=rank, dropout=args.dropout, kernel=kernel,
-                                              config=kwargs or "default", gpu_us=round(us, 2), device=gpu)) + "\n")
-                    out.flush()
+                writer.write(dict(m=m, n=size, k=size, rank=rank, dropout=args.dropout, kernel=kernel,
+                                  config=kwargs or "default", gpu_us=round(us, 2), device=gpu))
             best = min(range(len(times)), key=times.__getitem__)
             tqdm.write(f"m={m} n=k={size} {kernel}: default {times[0]:.1f} us, best {candidates[best] or 'default'} "
                        f"{times[best]:.1f} us ({times[best] / times[0]:.3f}x)")
@@ -118,8 +110,6 @@ def main() -> None:
         ratios = [by_shape[shape] / table[(kernel, None)][shape] for shape in shapes]
         print(f"{kernel:8s} {str(config):28s} " + " ".join(f"{r:6.3f}" for r in ratios)
               + f"   mean {sum(ratios) / len(ratios):.3f}")
-    if out:
-        out.close()
 
 
 if __name__ == "__main__":

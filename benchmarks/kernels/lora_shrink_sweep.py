@@ -2,8 +2,8 @@
 
 For m in {2048, 4096, 8192} x in_size in {4096, 5120, 8192}, rank 16, bf16, one adapter slot over
 all tokens, dropout 0.1 and 0.0, times `lora_train_shrink_fwd` in several configurations:
-  old        the unsplit kernel as before split-K: num_splits=1 (autotuned over
-             SHRINK_CONFIG_SHAPES), column keys mixed in the kernel (key_table=False);
+  old        the unsplit kernel: num_splits=1 (autotuned over SHRINK_CONFIG_SHAPES), column keys
+             mixed in the kernel (key_table=False);
   default    the launcher's CUDA default (split-K by `shrink_split_plan`, SHRINK_* constants);
   others     split configurations around it (tiles, warps, programs per SM, the key table);
   read_floor not the shrink: torch's x.sum(dtype=float32), a reduction that reads x once, as the
@@ -18,7 +18,7 @@ on a second call (bitwise: split-K must stay deterministic).
 
 One JSON line per (shape, dropout, config) to stdout and appended to --out.
 
-    PYTHONPATH=... python benchmarks/kernels/lora_shrink_sweep.py --out shrink_sweep.jsonl
+    python benchmarks/kernels/lora_shrink_sweep.py --out
     python benchmarks/kernels/lora_shrink_sweep.py --dry-run      # parse arguments, list the configurations
 """
 
@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
 
 # name -> lora_train_shrink_fwd keyword arguments
 CONFIGS: dict[str, dict] = {
@@ -37,7 +40,7 @@ CONFIGS: dict[str, dict] = {
     "nokeys": dict(key_table=False),  # column keys mixed per tile, not loaded
     "ps2": dict(per_sm=2),
     "ps4": dict(per_sm=4),  # the default
-    "ps6": dict(per_sm=6),  # the default with dropout before session 16
+    "ps6": dict(per_sm=6),
     "bm64": dict(block_m=64),
     "bm16": dict(block_m=16),
 }
@@ -69,27 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--configs", type=parse_config, nargs="+", default=[parse_config(c) for c in DEFAULT_CONFIGS],
                    help="names from CONFIGS or name:key=value,... (keyword arguments of lora_train_shrink_fwd)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=50)
+    harness.add_timing_arguments(p, warmup=10, iters=50)
     p.add_argument("--rotate-mb", type=int, default=256, help="copies of x to rotate over, in MB (0: one x)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=None, help="append JSON lines here too")
+    harness.add_out_argument(p)
     p.add_argument("--dry-run", action="store_true", help="parse arguments and print the plan; no GPU needed")
     return p.parse_args(argv)
 
 
-def device_us(fn, iters: int) -> tuple[float, float]:
+def device_us(fn, iters: int, warmup: int) -> tuple[float, float]:
     """(all CUDA kernels, the Triton shrink kernel alone): self device microseconds per fn() call."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in kernels) / iters
-    shrink = sum(e.self_device_time_total for e in kernels if "shrink" in e.key) / iters
+    kernels = harness.kernel_times(fn, iters=iters, warmup=warmup)
+    total = sum(t.us for t in kernels.values())
+    shrink = sum(t.us for name, t in kernels.items() if "shrink" in name)
     return total, shrink
 
 
@@ -103,7 +98,6 @@ def main(argv=None) -> int:
         return 0
 
     import torch
-    import triton
 
     from flexserve_kernels import lora_fused_train as fused
     from flexserve_kernels.lora_fused_train_ref import lora_train_shrink_ref
@@ -111,8 +105,7 @@ def main(argv=None) -> int:
 
     assert torch.cuda.is_available(), "needs CUDA (use --dry-run without)"
     device = torch.device("cuda")
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-    out = open(args.out, "a") if args.out else None
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     start, done = time.perf_counter(), 0
     for m, in_size in shapes:
         g = torch.Generator(device=device).manual_seed(0)
@@ -141,10 +134,7 @@ def main(argv=None) -> int:
                     again = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, args.seed, **kwargs)
                     err = (s.float() - want).abs().max().item() / scale
                     deterministic = bool(torch.equal(s, again))
-                for _ in range(args.warmup):
-                    call()
-                torch.cuda.synchronize()
-                us, shrink_us = device_us(call, args.iters)
+                us, shrink_us = device_us(call, args.iters, args.warmup)
                 plan = None
                 if kwargs.get("num_splits") != 1 and not floor:  # the launcher's plan, for the record
                     bm = kwargs.get("block_m", fused.SHRINK_BLOCK_M)
@@ -156,12 +146,8 @@ def main(argv=None) -> int:
                            k_per_split=plan and plan[0], num_splits=plan and plan[1], us=round(us, 3),
                            shrink_us=round(shrink_us, 3), gbps=round(m * in_size * 2 / us / 1e3, 1),
                            max_rel_err=err, ok=err <= 3e-2, deterministic=deterministic,
-                           x_copies=len(xs), iters=args.iters, **info)
-                line = json.dumps(row)
-                print(line, flush=True)
-                if out:
-                    out.write(line + "\n")
-                    out.flush()
+                           x_copies=len(xs), iters=args.iters)
+                writer.write(row)
                 done += 1
                 print(f"[{done}/{total} {time.perf_counter() - start:.0f}s] {m}x{in_size} p={p} {name}: "
                       f"{us:.2f} us ({row['gbps']} GB/s) splits={row['num_splits']} err={err:.2g}",

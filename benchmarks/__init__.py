@@ -1,0 +1,1 @@
+"""flexserve's benchmarks (see README.md); a package so scripts share `benchmarks.harness`."""

@@ -1,0 +1,1 @@
+"""Kernel benchmarks (see ../README.md)."""
