@@ -272,6 +272,8 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="a shipped architecture (llama-3.1-8b) with dummy bf16 weights on "
                              "the GPU, instead of the tiny CPU model")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: every iteration runs eagerly (GPU only)")
     parser.add_argument("--gpu-time", action="store_true",
                         help="also the CUDA kernel time of a window iteration (GPU only)")
     args = parser.parse_args()
@@ -290,7 +292,8 @@ def main() -> None:
     if args.model:
         llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", enable_lora=True,
                   max_lora_rank=max(16, args.rank), max_model_len=max_len,
-                  max_num_batched_tokens=max_batched, gpu_memory_utilization=0.6)
+                  max_num_batched_tokens=max_batched, gpu_memory_utilization=0.6,
+                  enforce_eager=args.enforce_eager)
     else:
         path = tiny_model_dir(args.num_layers, args.hidden_size, max_len)
         llm = LLM(model=path, enable_lora=True, max_lora_rank=max(16, args.rank),
