@@ -146,8 +146,9 @@ def test_slo_sizes_the_window_beside_a_running_request():
     step(scheduler)  # the prompt
     plan = step(scheduler)
     n = sum(w.end - w.start for w in plan.finetune_windows)
-    # The largest aligned s that fits: s fits, s + WINDOW_ALIGNMENT does not.
-    assert 0 < n < BUDGET and n % WINDOW_ALIGNMENT == 0
+    # The largest window that fits with the iteration's tokens on a multiple of
+    # WINDOW_ALIGNMENT (a CUDA-graph bucket): it fits, WINDOW_ALIGNMENT more does not.
+    assert 0 < n < BUDGET and plan_shape(plan).total_forward_tokens % WINDOW_ALIGNMENT == 0
     assert model.predict(plan_shape(plan)) <= LIMIT
     assert model.predict(plan_shape(plan) + IterationShape(finetune_tokens=WINDOW_ALIGNMENT)) > LIMIT
 

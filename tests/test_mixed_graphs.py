@@ -29,12 +29,15 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
 def test_buckets():
-    assert token_buckets(1000) == [64, 128, 256, 512, 1000]
+    assert token_buckets(1000) == [64, 128, 256, 384, 512, 640, 768, 896, 1000]
+    assert token_buckets(8192)[8:] == [1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
+                                       5120, 6144, 7168, 8192]
     assert token_buckets(64) == [64]
     assert token_buckets(16) == [16]
     assert row_buckets(40) == [8, 32, 40]
     assert row_buckets(8) == [8]
     assert bucket(65, token_buckets(1000)) == 128
+    assert bucket(1100, token_buckets(8192)) == 1280
     assert bucket(1001, token_buckets(1000)) is None
 
 

@@ -101,6 +101,7 @@ class LatencyWindowSizer:
         cost = lambda s: self.predict(self.shape + forward_window_shape(start, s))  # noqa: E731
         n = _aligned(max_window(cost, self.limit_s, cap), cap)
         n = self._with_floor(n, cost, cap, min(cap, math.ceil(self.floor_left)))
+        n = self._fill_bucket(n, cost, cap)
         if n:
             self.shape = self.shape + forward_window_shape(start, n)
             self.forward_left -= n
@@ -120,6 +121,22 @@ class LatencyWindowSizer:
             self.floor_left = max(self.floor_left - n / self.num_layers, 0.0)
             self.num_backward_tokens += n
         return n
+
+    def _fill_bucket(self, n: int, cost: Callable[[int], float], cap: int) -> int:
+        """`n` moved so the iteration's forward tokens end on a multiple of WINDOW_ALIGNMENT:
+        the CUDA graphs of mixed iterations run padded token buckets that are multiples of it
+        (`flexserve.worker.mixed_graphs`), so the padding does fine-tuning work instead. Up to
+        the next multiple where the model says it fits, else down to the previous one."""
+        if n <= 0 or n >= cap:
+            return n
+        total = self.shape.total_forward_tokens + n
+        up = n + (-total) % WINDOW_ALIGNMENT
+        if up == n:
+            return n
+        if up <= min(cap, self.forward_left) and cost(up) <= self.limit_s:
+            return up
+        down = n - total % WINDOW_ALIGNMENT
+        return down if down > 0 else n
 
     def _with_floor(self, n: int, cost: Callable[[int], float], cap: int, floor: int) -> int:
         """`n` (what fits the limit), or the floor's grant where that is larger, grown by

@@ -2,10 +2,10 @@
 
 `FinetuneCapture` (activation_store.py) copies each window's rows into its store with Python
 slicing, so what it launches depends on the step's windows. This capture launches the same work
-whatever the windows: for each tensor the plan keeps, one gather of the flat batch's fine-tuning
-rows (`src`, a static index) and one scatter into the activation arena (`dest`: the sequences'
-leased rows plus position; padding entries read row 0 and write the arena's dump row). Both
-indices cover the whole token bucket, so one graph serves any windows of the same plan.
+whatever the windows: for each tensor the plan keeps, one `copy_rows` of the flat batch's
+fine-tuning rows (`src`, a static index) into the activation arena (`dest`: the sequences' leased
+rows plus position) for the first `count` entries. The indices cover the whole token bucket, so
+one graph serves any windows of the same plan.
 
 Supported: stores leased from one `ActivationArena`, one kept-tensor set for every window (one
 job, or jobs with one plan), no LoRA dropout, nothing kept as a bitmask or as `{target}_delta`
@@ -21,6 +21,7 @@ import torch
 
 from flexserve.worker.activation_arena import ActivationArena
 from flexserve_kernels.lora_ops import lora_shrink
+from flexserve_kernels.row_copy import copy_rows
 
 # Names a graph capture cannot keep: they need per-window work (dropout, per-slot deltas).
 UNSUPPORTED_SUFFIXES = ("_delta", "_xd", "_mask")
@@ -38,11 +39,12 @@ class GraphCapture:
     """The forward context's `finetune` of a graph-captured mixed iteration."""
 
     def __init__(self, arena: ActivationArena, kept: dict[tuple[int, str], KeptTensor],
-                 src: torch.Tensor, dest: torch.Tensor) -> None:
+                 src: torch.Tensor, dest: torch.Tensor, count: torch.Tensor) -> None:
         self.arena = arena
         self.kept = kept  # (layer, name) -> layout, of every window's store (one plan)
         self.src = src  # [T_bucket] int64: flat row of each fine-tuning token, padding 0
         self.dest = dest  # [T_bucket] int64: its arena row, padding the dump row
+        self.count = count  # [1] int32: fine-tuning tokens this replay (rows past it: none)
         self._final: torch.Tensor | None = None
         self.windows: list[tuple[int, int]] = []  # this replay's (flat start, tokens) per window
 
@@ -53,9 +55,8 @@ class GraphCapture:
         spec = self.kept.get((layer, name))
         if spec is None:
             return
-        rows = tensor[:, :spec.width] if tensor.shape[1] != spec.width else tensor
         target = self.arena.tensor(layer, name, spec.width, spec.dtype)
-        target.index_copy_(0, self.dest, rows.index_select(0, self.src).to(spec.dtype))
+        copy_rows(target, self.dest, tensor, self.src, self.count)
 
     def lora_shrink(self, module: Any, x: torch.Tensor, meta: Any) -> torch.Tensor:
         return lora_shrink(x, module.lora_a, meta)

@@ -43,17 +43,22 @@ from flexserve_kernels.paged_attention import prefill_block_m
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 64  # the smallest token bucket; smaller steps pad to it
+# (up to, step): token buckets are multiples of `step` up to `up to`; the scheduler aligns a
+# co-serving iteration's total to 128 tokens, so it lands on a bucket up to 1024 exactly
+TOKEN_STEPS = ((1024, 128), (2048, 256), (4096, 512), (1 << 30, 1024))
 ROW_BUCKETS = (8, 32, 128, 512)  # padded row counts (capped at the runner's max_num_rows)
 LORA_BLOCK_M = 64  # tokens per SGMV tile under a tile map
 MAX_GRAPHS = 256  # captured graphs kept at most; a key past it runs eagerly
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
-    """Padded token counts: powers of two from MIN_TOKENS, then max_num_tokens itself."""
+    """Padded token counts: MIN_TOKENS, then multiples of TOKEN_STEPS' steps, then
+    max_num_tokens itself."""
     sizes, size = [], MIN_TOKENS
     while size < max_num_tokens:
         sizes.append(size)
-        size *= 2
+        step = next(step for limit, step in TOKEN_STEPS if size < limit)
+        size = (size // step + 1) * step
     sizes.append(max_num_tokens)
     return sizes
 
@@ -121,6 +126,7 @@ class MixedGraphRunner:
         self.lora_tiles = torch.full((2 * self.max_lora_tiles,), -1, dtype=torch.int32, **like)
         self.capture_src = torch.zeros(max_tokens, dtype=torch.long, **like)
         self.capture_dest = torch.zeros(max_tokens, dtype=torch.long, **like)
+        self.capture_count = torch.zeros(1, dtype=torch.int32, **like)
         self.num_splits = {
             r: decode_num_splits(r, num_kv_heads, max_model_len, device) for r in self.row_sizes}
         # key -> (graph, its output, its capture); CPU runs record keys only (no graphs)
@@ -207,14 +213,15 @@ class MixedGraphRunner:
             self.token_slots[:num_tokens].copy_(take(num_tokens))
         if step.capture is not None:
             _, src, dest, _ = step.capture
-            dump = self.arena_of().dump_row
-            index = np.zeros(2 * tokens, dtype=np.int64)
+            index = np.zeros(2 * tokens + 1, dtype=np.int64)
             index[:len(src)] = src
             index[tokens:tokens + len(dest)] = dest
-            index[tokens + len(dest):] = dump
+            index[tokens + len(dest):] = self.arena_of().dump_row
+            index[-1] = len(src)
             packed64 = to_device(torch.from_numpy(index), self.device)
             self.capture_src[:tokens].copy_(packed64[:tokens])
-            self.capture_dest[:tokens].copy_(packed64[tokens:])
+            self.capture_dest[:tokens].copy_(packed64[tokens:2 * tokens])
+            self.capture_count.copy_(packed64[-1:])
 
     def _metadata(self, tokens: int, rows: int, step: MixedStep) -> AttentionMetadata:
         attn_tiles = self._attn_tiles(tokens, rows)
@@ -261,7 +268,7 @@ class MixedGraphRunner:
         if step.capture is None:
             return None
         return GraphCapture(self.arena_of(), step.capture[0], self.capture_src[:tokens],
-                            self.capture_dest[:tokens])
+                            self.capture_dest[:tokens], self.capture_count)
 
     def _capture(self, key: tuple, step: MixedStep) -> None:
         tokens, rows = key[0], key[1]
