@@ -202,6 +202,9 @@ def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "held-out error:" in printed and f"saved {out}" in printed
     data = json.loads(out.read_text())
+    coef = data["coefficients"]
+    assert (f"a forward window {coef['finetune_windows'] * 1e3:.2f} ms, a backward window "
+            f"{coef['backward_windows'] * 1e3:.2f} ms") in printed
     assert data["format"] == "flexserve-latency-model"
     meta = data["metadata"]
     assert meta["device_name"] == "cpu" and meta["model"] == tiny_dir

@@ -104,6 +104,11 @@ def profile(args: argparse.Namespace) -> int:
     print(f"held-out error:         median {heldout['median_rel_error']:.1%}, "
           f"p90 {heldout['p90_rel_error']:.1%}, max {heldout['max_rel_error']:.1%} "
           f"({heldout['num_samples']} iterations)")
+    coef = model.coefficient_dict()
+    print(f"fixed costs: an iteration {coef['forward'] * 1e3:.2f} ms, a mixed iteration "
+          f"{coef['eager'] * 1e3:.2f} ms over a decode-only one, a forward window "
+          f"{coef['finetune_windows'] * 1e3:.2f} ms, a backward window "
+          f"{coef['backward_windows'] * 1e3:.2f} ms")
     print("ms per unit (non-zero): " + ", ".join(
         f"{name} {value * 1e3:.4g}" for name, value in model.coefficient_dict().items()
         if value > 0))
