@@ -400,3 +400,18 @@ def test_trainer_state_only_at_a_step_boundary_and_restore_continues_there():
     fresh.add_job(done)
     assert done.status == FinetuneJobStatus.SUCCEEDED
     assert [u.kind for u in fresh.pop_updates()] == ["succeeded"]
+
+
+@pytest.mark.parametrize("length,overlaps", [(10, True), (30, False)])
+def test_next_bin_starts_beside_finishing_ones_only_where_both_fit_the_activation_reserve(
+        length, overlaps):
+    # max_finetune_len (40) tokens of activations are reserved: two 10-token sequences fit at
+    # once, so the next one's forward rides beside the last backward window of this one; two
+    # 30-token ones do not, so the next starts in the plan after.
+    scheduler = make_scheduler(budget=64)
+    state = job("a", [length] * 3, [[0, 1, 2]])
+    scheduler.finetune.add_job(state)
+    plans = run(scheduler)
+    beside = [p for p in plans if p.finished_finetune_sequences and p.finetune_starts]
+    assert bool(beside) == overlaps
+    assert state.status == FinetuneJobStatus.SUCCEEDED

@@ -275,8 +275,11 @@ class FinetuneScheduler:
         """Place the job's next window (forward windows of its bin first, then backward ones);
         returns its tokens (0 when nothing could be placed: no KV blocks for its next bin, or
         the sizer said 0 to every window) and whether it is a backward window."""
-        if all(s.done for s in job.running) and not self._start_bin(plan, job):
-            return 0, False  # its KV blocks do not fit now; inference keeps the memory
+        if all(s.done for s in job.running):
+            if not self._bin_fits_beside_resident(job):
+                return 0, False  # after this plan's last backward windows of the running bins
+            if not self._start_bin(plan, job):
+                return 0, False  # its KV blocks do not fit now; inference keeps the memory
         for seq in job.running:
             key = (job.job_id, seq.sequence_id)
             if seq.done or seq.backward_layer >= 0 or key in forwarded:
@@ -317,15 +320,34 @@ class FinetuneScheduler:
             return n, True
         return 0, False
 
-    def _start_bin(self, plan: BatchPlan, job: FinetuneJobState) -> bool:
-        step_examples = job.steps[job.step_index]
+    def _bin_fits_beside_resident(self, job: FinetuneJobState) -> bool:
+        """Whether the job's next bin may start while sequences whose last backward window is in
+        this plan still hold their activations: only where both fit max_finetune_len tokens,
+        what the worker reserves for activations (`flexserve.worker.activation_arena`); else it
+        starts in the next plan."""
+        resident = sum(s.length for j in self.jobs.values() for s in j.running if s.done)
+        if resident == 0:
+            return True
+        self._ensure_bins(job)
+        if job.next_bin >= len(job.bins):
+            return True
+        tokens = sum(len(job.sequences[e].token_ids) for _, e in job.bins[job.next_bin])
+        return resident + tokens <= self.max_finetune_len
+
+    def _ensure_bins(self, job: FinetuneJobState) -> None:
+        """Pack the current step's sequences into bins (once per step)."""
         if job.bins is None:
+            step_examples = job.steps[job.step_index]
             lengths = [len(job.sequences[i].token_ids) for i in step_examples]
             first_id = job.num_sequences_started  # every earlier step's sequences started
             job.bins = [[(first_id + p, step_examples[p]) for p in members]
                         for members in pack_sequences(lengths, job.pack_capacity,
                                                       self.kv.block_size, self.kv.num_blocks)]
             job.next_bin = 0
+
+    def _start_bin(self, plan: BatchPlan, job: FinetuneJobState) -> bool:
+        step_examples = job.steps[job.step_index]
+        self._ensure_bins(job)
         started: list[_RunningSequence] = []
         for sequence_id, example_index in job.bins[job.next_bin]:
             kv = _SequenceKV(f"finetune:{job.job_id}:{sequence_id}",

@@ -56,9 +56,9 @@ logger = logging.getLogger(__name__)
 
 # Rows a mixed iteration's graph holds beyond max_num_seqs: the fine-tuning windows.
 MAX_WINDOW_ROWS = 16
-# Sequences' worth of max_finetune_len rows in the activation arena: a bin's sequences, and the
-# next bin's first windows while the last backward windows of this one run.
-ARENA_SEQUENCES = 2
+# max_finetune_len rows' worth of activations in the arena: one bin of sequences (the scheduler
+# starts the next bin after the last backward window of this one).
+ARENA_SEQUENCES = 1
 
 
 def resolve_device(name: str) -> torch.device:
