@@ -336,6 +336,19 @@ class FinetuneRunner:
         return {(layer, name): KeptTensor(*stores[0].buffer_spec(layer, name))
                 for layer, layer_names in enumerate(names) for name in layer_names}
 
+    def job_graph_kept(self, job_id: str) -> dict[tuple[int, str], KeptTensor] | None:
+        """What a `GraphCapture` keeps for the windows of this job (as `graph_kept` finds them
+        on its sequences' stores), or None when they will run eagerly."""
+        job = self.jobs.get(job_id)
+        if (job is None or self.arena is None or job.dropout > 0
+                or job.layer_plans.offload_layers):
+            return None
+        layout = store_layout(job.graph, job.layer_plans.plans, self.dtype)
+        if any(dtype == torch.uint8 or name.endswith(UNSUPPORTED_SUFFIXES)
+               or not self.arena.has(layer, name) for layer, name, _, dtype in layout):
+            return None
+        return {(layer, name): KeptTensor(width, dtype) for layer, name, width, dtype in layout}
+
     def admit_graph_windows(self, windows: list[FinetuneWindow], first_row: int,
                             errors: dict[str, str]
                             ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:

@@ -134,6 +134,7 @@ class MixedGraphRunner:
                                        GraphCapture | None]] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self.num_replays_by_kind = {"plain": 0, "capture": 0}  # steps run, with windows or not
         logger.info("mixed-iteration CUDA graphs: token buckets %s, row buckets %s, captured on "
                     "first use (at most %d)", self.token_sizes, self.row_sizes, MAX_GRAPHS)
 
@@ -156,8 +157,7 @@ class MixedGraphRunner:
             return None
         if step.metadata.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
-        kept = None if step.capture is None else tuple(sorted(
-            (k, v.width, str(v.dtype)) for k, v in step.capture[0].items()))
+        kept = None if step.capture is None else _kept_key(step.capture[0])
         key = (tokens, rows, step.lora_key, kept)
         if key not in self.graphs and len(self.graphs) >= MAX_GRAPHS:
             return None
@@ -226,9 +226,10 @@ class MixedGraphRunner:
     def _metadata(self, tokens: int, rows: int, step: MixedStep) -> AttentionMetadata:
         attn_tiles = self._attn_tiles(tokens, rows)
         # The torch path (CPU) attends the real rows' padded groups; padding tokens get none.
-        row_groups = [g if g.token_index is not None else dataclasses.replace(
-                          g, token_index=torch.arange(step.input_ids.shape[0], device=self.device))
-                      for g in step.metadata.row_groups]
+        row_groups = [] if step.metadata is None else [
+            g if g.token_index is not None else dataclasses.replace(
+                g, token_index=torch.arange(step.input_ids.shape[0], device=self.device))
+            for g in step.metadata.row_groups]
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens],
             positions=self.positions[:tokens],
@@ -270,7 +271,7 @@ class MixedGraphRunner:
         return GraphCapture(self.arena_of(), step.capture[0], self.capture_src[:tokens],
                             self.capture_dest[:tokens], self.capture_count)
 
-    def _capture(self, key: tuple, step: MixedStep) -> None:
+    def _capture(self, key: tuple, step: MixedStep, log: bool = True) -> None:
         tokens, rows = key[0], key[1]
         start = time.perf_counter()
         capture = self._new_capture(tokens, step)
@@ -290,10 +291,51 @@ class MixedGraphRunner:
         self.graphs[key] = (graph, out, capture)
         seconds = time.perf_counter() - start
         self.capture_seconds += seconds
-        logger.info("captured a mixed-iteration CUDA graph (%d tokens, %d rows%s%s) in %.2f s; "
-                    "%d graphs", tokens, rows, ", LoRA" if step.lora_key else "",
-                    ", fine-tuning capture" if capture is not None else "", seconds,
-                    len(self.graphs))
+        if log:
+            logger.info("captured a mixed-iteration CUDA graph (%d tokens, %d rows%s%s) in %.2f s; "
+                        "%d graphs", tokens, rows, ", LoRA" if step.lora_key else "",
+                        ", fine-tuning capture" if capture is not None else "", seconds,
+                        len(self.graphs))
+
+    def precapture(self, lora_key: tuple[bool, ...] | None = None,
+                   lora_slots: frozenset[int] = frozenset(),
+                   kept: dict[tuple[int, str], KeptTensor] | None = None) -> int:
+        """Capture the graph of every bucket for one (LoRA linears, kept tensors) variant now,
+        on padding inputs (no KV, LoRA or arena write happens), so serving never stalls on a
+        capture or a kernel compile; returns how many it captured."""
+        start, count = time.perf_counter(), 0
+        self._write_padding()
+        step = MixedStep(self.input_ids[:0], None, np.zeros(0, np.int64), [], lora_key,
+                         lora_slots, None if kept is None else (kept, None, None, []))
+        for tokens in self.token_sizes:
+            for fewer, rows in zip([0] + self.row_sizes, self.row_sizes):
+                if fewer >= tokens:
+                    continue  # no step has more rows than tokens
+                key = (tokens, rows, lora_key, None if kept is None else _kept_key(kept))
+                if key in self.graphs or len(self.graphs) >= MAX_GRAPHS:
+                    continue
+                if self.device.type == "cuda":
+                    self._capture(key, step, log=False)
+                else:  # the padded forward runs, with no graph to keep (tests)
+                    self._forward(tokens, rows, step, self._new_capture(tokens, step))
+                    self.graphs[key] = (None, None, None)
+                count += 1
+        logger.info("captured %d mixed-iteration CUDA graphs%s%s in %.1f s", count,
+                    " with LoRA" if lora_key else "", " with a fine-tuning capture" if kept else "",
+                    time.perf_counter() - start)
+        return count
+
+    def _write_padding(self) -> None:
+        """Static inputs of an empty step: no token writes the KV cache or the arena, no row or
+        LoRA segment has work."""
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+        self.attn_tiles.fill_(-1)
+        self.lora_tiles.fill_(-1)
+        self.token_slots.fill_(-1)
+        self.seg_lens.zero_()
+        self.capture_count.zero_()
 
     def drop_captures(self) -> None:
         """Forget the graphs that write fine-tuning activations (the arena they wrote is gone)."""
@@ -305,6 +347,7 @@ class MixedGraphRunner:
         [T, hidden] (a view of the graph's output, valid until the next replay) and, with
         windows, the capture whose `final_stream` gives their last-layer rows."""
         tokens, rows = key[0], key[1]
+        self.num_replays_by_kind["plain" if step.capture is None else "capture"] += 1
         self._write_inputs(step, tokens, rows)
         if self.device.type != "cuda":  # the same padded forward without a graph (tests)
             capture = self._new_capture(tokens, step)
@@ -318,6 +361,11 @@ class MixedGraphRunner:
         if capture is not None:
             capture.windows = step.capture[3]
         return out[:step.input_ids.shape[0]], capture
+
+
+def _kept_key(kept: dict[tuple[int, str], KeptTensor]) -> tuple:
+    """The hashable form of a capture's kept tensors (part of a graph key)."""
+    return tuple(sorted((k, v.width, str(v.dtype)) for k, v in kept.items()))
 
 
 def _segments(q_lens: np.ndarray, row_slots: list[int]

@@ -156,6 +156,7 @@ class ModelRunner:
             )
             self.graph_runner.capture()
             self.enable_mixed_graphs(max_model_len)
+            self.mixed_graphs.precapture()
         return self.num_blocks
 
     def enable_mixed_graphs(self, max_model_len: int) -> None:
@@ -399,8 +400,16 @@ class ModelRunner:
             init = load_peft_adapter(init_adapter_path, target_shapes(self.hf_config),
                                      self.hf_config.num_hidden_layers, lora.max_lora_rank,
                                      lora.allowed_dir_for(init_adapter_path), torch.float32)
-        return runner.add_job(FinetuneJobSpec(job_id, lora_slot, hyperparameters,
+        plan = runner.add_job(FinetuneJobSpec(job_id, lora_slot, hyperparameters,
                                               num_training_steps, init, seed, resume_state))
+        kept = runner.job_graph_kept(job_id)
+        if self.mixed_graphs is not None and kept is not None:
+            # The graphs of its windows beside inference rows without adapters, now rather than
+            # in its first iterations (where a capture would stall the requests decoding).
+            slots = frozenset({lora_slot})
+            lora_key = tuple(not m.active_slots.isdisjoint(slots) for m in self._lora_linears)
+            self.mixed_graphs.precapture(lora_key, slots, kept)
+        return plan
 
     def end_finetune_job(self, job_id: str) -> None:
         """The job stopped: drop its sequences' activations (its weights stay for `save`)."""
