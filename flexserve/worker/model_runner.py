@@ -260,8 +260,9 @@ class ModelRunner:
             sample = self._forward(rows, [] if concurrent else windows, result, plan)
             fill = None
             with torch.cuda.stream(side_stream):
-                if concurrent:  # spatial sharing: fine-tuning is its own forward
-                    self._forward([], windows, result, plan)()
+                if concurrent:  # spatial sharing: fine-tuning is its own forward, eager: the
+                    # graphs' static inputs belong to the inference forward on the other stream
+                    self._forward([], windows, result, plan, use_graphs=False)()
                 # FlexLLM figure 9: backward windows touch only their own sequences' K/V
                 # blocks, activation stores and gradient buffers; adapter weights change only
                 # in the optimizer step, after both streams joined.
@@ -288,8 +289,8 @@ class ModelRunner:
         return self._stream
 
     def _forward(self, rows: list[ScheduledSequence], windows: list[FinetuneWindow],
-                 result: StepResult, plan: BatchPlan, deferred: bool = False
-                 ) -> Callable[[], Callable[[], None] | None]:
+                 result: StepResult, plan: BatchPlan, deferred: bool = False,
+                 use_graphs: bool = True) -> Callable[[], Callable[[], None] | None]:
         """Launch one forward over inference rows then fine-tuning windows, with the windows'
         losses (their gradients are kept for backward). Returns the call that samples the rows
         that reached their end and computes prompt logprobs; it waits for the device and
@@ -315,12 +316,13 @@ class ModelRunner:
             lora_meta = LoRAKernelMeta.build(row_lens, row_slots, self.device)
         capture = None
         num_inference_tokens = sum(r.num_scheduled_tokens for r in rows)
-        if (not windows and self.graph_runner is not None and metadata.max_query_len == 1
+        if (use_graphs and not windows and self.graph_runner is not None
+                and metadata.max_query_len == 1
                 and self.graph_runner.can_run(len(rows), metadata.max_seq_len)):
             hidden = self.graph_runner.run(input_ids, metadata, lora_meta)
         else:
-            graphed = self._run_mixed_graph(input_ids, metadata, row_lens, row_slots, windows,
-                                            num_inference_tokens, errors)
+            graphed = None if not use_graphs else self._run_mixed_graph(
+                input_ids, metadata, row_lens, row_slots, windows, num_inference_tokens, errors)
             if graphed is not None:
                 hidden, capture = graphed
             else:
