@@ -159,7 +159,7 @@ class FinetuneConfig:
     # to remat chains, lowest first, until it fits (`flexserve.peft.activation_budget`); None: off
     activation_budget_gib: float | None = None
     # under a budget, put every other layer in pinned host memory before any goes to remat
-    # chains (`flexserve.worker.activation_offload`)
+    # chains (`flexserve.worker.finetune.activation_offload`)
     activation_offload: bool = False
 
     def __post_init__(self) -> None:

@@ -29,9 +29,9 @@ from _triton_interpret import (
 )
 
 _KERNEL_MODULES = (
-    "flexserve_kernels.decode_attention",  # before paged_attention, which imports from it
-    "flexserve_kernels.paged_attention",
-    "flexserve_kernels.kv_cache_write",
+    "flexserve_kernels.attention.decode",  # before paged_attention, which imports from it
+    "flexserve_kernels.attention.paged",
+    "flexserve_kernels.attention.kv_cache_write",
 )
 
 

@@ -29,8 +29,8 @@ from _triton_interpret import (
 (fb,) = import_kernels(("flexserve_kernels.finetune_backward",),
                        interpret=not torch.cuda.is_available())
 
-from flexserve.worker import layer_backward  # noqa: E402
-from flexserve.worker.backward_gradients import WindowGradients  # noqa: E402
+from flexserve.worker.finetune import layer_backward  # noqa: E402
+from flexserve.worker.finetune.backward_gradients import WindowGradients  # noqa: E402
 
 INTERPRETED = is_interpreted(fb._silu_mul_bwd_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -237,7 +237,7 @@ def sequence_gradients(path, dtype, targets, dropout, plan_kind, fused, monkeypa
     from flexserve.model.loader import load_model
     from flexserve.model.registry import resolve_model
     from flexserve.peft.layer_graph import build_layer_graph
-    from flexserve.worker.activation_store import ActivationStore
+    from flexserve.worker.finetune.activation_store import ActivationStore
     from flexserve.worker.lora_manager import attach_lora_linears
 
     # The model's forward on its torch path; only the backward's dispatch is switched.

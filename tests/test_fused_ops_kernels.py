@@ -27,11 +27,11 @@ from _triton_interpret import (
 )
 
 _KERNEL_MODULES = (
-    "flexserve_kernels.rmsnorm",
-    "flexserve_kernels.rotary",
+    "flexserve_kernels.norm_rope.rmsnorm",
+    "flexserve_kernels.norm_rope.rotary",
     "flexserve_kernels.activation",
-    "flexserve_kernels.kv_cache_write",
-    "flexserve_kernels.rope_kv_write",
+    "flexserve_kernels.attention.kv_cache_write",
+    "flexserve_kernels.norm_rope.rope_kv_write",
 )
 
 

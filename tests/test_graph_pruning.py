@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from flexserve.entrypoints import cli, finetune_plan
+from flexserve.entrypoints.cli import main as cli
+from flexserve.entrypoints.cli import finetune_plan
 from flexserve.model.registry import resolve_model
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import (

@@ -29,7 +29,7 @@ from flexserve.peft.activation_budget import plan_layers
 from flexserve.peft.graph_pruning import plan_pruning
 from flexserve.peft.layer_graph import build_layer_graph
 from flexserve.peft.peft_io import load_peft_adapter
-from flexserve.worker.activation_store import (
+from flexserve.worker.finetune.activation_store import (
     ActivationStore,
     FinetuneCapture,
     apply_lora_dropout,
@@ -37,10 +37,10 @@ from flexserve.worker.activation_store import (
     pack_bits,
     unpack_bits,
 )
-from flexserve.worker.layer_backward import SequenceBackward, lora_grad_buffers
+from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_buffers
 from flexserve.worker.lora_manager import attach_lora_linears
-from flexserve.worker.window_loss import window_loss
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve.worker.finetune.window_loss import window_loss
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 ALL = list(TARGET_MODULES)
 # Norm-wise relative error of every gradient tensor vs PEFT. Measured (x86 CPU, torch 2.13):

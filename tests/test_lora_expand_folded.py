@@ -28,7 +28,7 @@ from _triton_interpret import (
 from torch import nn
 
 folded_kernels, act_kernels = import_kernels(
-    ("flexserve_kernels.lora_expand_folded", "flexserve_kernels.activation"),
+    ("flexserve_kernels.lora.serve.expand_folded", "flexserve_kernels.activation"),
     interpret=not torch.cuda.is_available())
 lora_expand_folded = folded_kernels.lora_expand_folded
 lora_expand_folded_ref = folded_kernels.lora_expand_folded_ref
@@ -171,7 +171,7 @@ def _expected(linears, x, token_slots, adapters):
 def test_folded_group_equals_unfolded_math_and_follows_slot_loads(bias):
     from flexserve.layers.forward_context import set_forward_context
     from flexserve.model.llama import MergedProjection
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     linears = _group((12, 8, 8), bias=bias)
     group = MergedProjection()
@@ -223,7 +223,7 @@ def test_model_folds_every_group_and_decodes_like_the_unfolded_model():
     from flexserve.layers.forward_context import set_forward_context
     from flexserve.model.llama import LlamaForCausalLM
     from flexserve.worker.lora_manager import attach_lora_linears
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -260,7 +260,7 @@ def test_model_folds_every_group_and_decodes_like_the_unfolded_model():
 
 
 def _bypass(sizes, num_rows, dtype, seed, token_slots, num_slots=3, max_rank=5):
-    from flexserve_kernels.lora_folded import FoldedLoRA
+    from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
     g = torch.Generator().manual_seed(seed)
     width = sum(sizes)
@@ -272,7 +272,7 @@ def _bypass(sizes, num_rows, dtype, seed, token_slots, num_slots=3, max_rank=5):
 
 
 def _on(bypass, device):
-    from flexserve_kernels.lora_folded import FoldedLoRA
+    from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
     return FoldedLoRA(bypass.s.to(device), bypass.lora_b.to(device), bypass.scaling.to(device),
                       bypass.token_slots.to(device), bypass.sizes)
@@ -305,7 +305,7 @@ def test_silu_and_mul_with_folded_lora_equals_expand_then_activation(width, dtyp
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_expand_folded as kf
+from flexserve_kernels.lora.serve import expand_folded as kf
 
 fn = kf._lora_expand_folded_kernel
 

@@ -27,10 +27,10 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora_meta import DropoutWindows, LoRAKernelMeta
+from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
 
-_KERNEL_MODULES = ("flexserve_kernels.lora_fused_train_ref", "flexserve_kernels.lora_fused_train",
-                   "flexserve_kernels.lora_fused_train_bwd")
+_KERNEL_MODULES = ("flexserve_kernels.lora.train.ref", "flexserve_kernels.lora.train.fused",
+                   "flexserve_kernels.lora.train.fused_bwd")
 ref, fused, fused_bwd = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 
 INTERPRETED = is_interpreted(fused._lora_train_shrink_fwd_kernel)
@@ -137,7 +137,7 @@ def test_tma_form_matches_reference():
 def test_tma_dx_epilogue_in_column_parts_matches_blas_form(epilogue_split, blocks):
     # Kernel 4 over TMA with its epilogue (LoRA term with dropout, store) whole or in 2 or 4 column
     # parts of the tile, against the blas form; in = 40 leaves the last column tile partial.
-    from flexserve_kernels.lora_fused_train_tma import dx_bwd_tma
+    from flexserve_kernels.lora.train.fused_tma import dx_bwd_tma
 
     x, weight, lora_a, _, meta, scalings = make_inputs(TMA_CASE)
     slots = fused.LoRATrainSlots.build(scalings, list(TMA_CASE.dropout_ps), DEVICE)
@@ -161,7 +161,7 @@ TILE_ROUTING_CASE = Case(40, 64, 16, (16, 3, 7), (0.0, 0.0, 0.0), (20, 28, 12, 9
 @pytest.mark.parametrize("base_gemm, epilogue_split", [("tma", 1), ("tma", 2), ("blas", 1)])
 def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, epilogue_split):
     # epilogue_split: the TMA form's store in column parts
-    from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+    from flexserve_kernels.lora.train.fused_tma import linear_fwd_tma
 
     x, weight, _, lora_b, meta, scalings = make_inputs(TILE_ROUTING_CASE)
     slots = fused.LoRATrainSlots.build(scalings, list(TILE_ROUTING_CASE.dropout_ps), DEVICE)
@@ -192,7 +192,7 @@ def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, ep
     (320, 132, 8, 16, (320, 56, 1)),  # too few K steps to split
 ])
 def test_tail_plan_splits_only_what_idle_programs_can_take(num_tiles, programs, k_blocks, min_part, want):
-    from flexserve_kernels.lora_fused_train_tma import tail_plan_of
+    from flexserve_kernels.lora.train.fused_tma import tail_plan_of
 
     assert tail_plan_of(num_tiles, programs, k_blocks, min_part, DEVICE) == want
 
@@ -205,7 +205,7 @@ def test_tma_forward_splits_tail_tiles_over_k(rows, out_size, in_size, split):
     # tail of 3, not split. Rows of two adapters and none. A split sums its parts in another
     # order than one pass over K (two steps each, then the parts), so in the interpreter y differs
     # in the last bits from the unsplit launch exactly when it splits; the counters are zero after.
-    from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+    from flexserve_kernels.lora.train.fused_tma import linear_fwd_tma
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(rows, in_size, generator=g).to(DEVICE)
@@ -395,7 +395,7 @@ def test_window_shrink_applies_each_windows_mask(kwargs):
 def test_window_shrink_ranks_and_no_dropout():
     # Real adapters (ranks 16, 5 and 1 in slots of 16) against the reference; with every p 0 the
     # windows change nothing: S is the plain shrink (`lora_shrink_ref`).
-    from flexserve_kernels.lora_ref import lora_shrink_ref
+    from flexserve_kernels.lora.serve.ref import lora_shrink_ref
 
     in_size, max_rank = 72, 16
     g = torch.Generator().manual_seed(6)
@@ -432,7 +432,7 @@ def test_dropout_windows_bad_input():
     x, lora_a = torch.randn(5, 8).to(DEVICE), torch.randn(1, 4, 8).to(DEVICE)
     with pytest.raises(ValueError, match="group 2"):
         fused.lora_window_shrink_fwd(x, lora_a, meta, windows, 2)
-    from flexserve_kernels.lora_ops import lora_window_shrink
+    from flexserve_kernels.lora.serve.ops import lora_window_shrink
 
     with pytest.raises(ValueError, match="ranks up to 128"):  # kernel 1's widest slot
         lora_window_shrink(x, torch.zeros(1, 129, 8).to(DEVICE), meta, windows, 0)
@@ -680,9 +680,9 @@ def test_gpu_gradients_are_bitwise_reproducible():
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_fused_train as kf
-from flexserve_kernels import lora_fused_train_bwd as kb
-from flexserve_kernels import lora_fused_train_tma as kt
+from flexserve_kernels.lora.train import fused as kf
+from flexserve_kernels.lora.train import fused_bwd as kb
+from flexserve_kernels.lora.train import fused_tma as kt
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
 I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr"}  # kernel 1's counters, keys, windows; slots
@@ -859,7 +859,7 @@ def test_auto_base_gemm_takes_tma_forward_only_where_it_runs():
     # "auto": kernel 2 timed between its blas and TMA forms on a Hopper GPU (ranks up to
     # MAX_TMA_RANK, 16-byte rows), kernel 4 on cuBLAS; CPU (the interpreter) and wide ranks get
     # "blas" both ways. Other values are both.
-    from flexserve_kernels.lora_fused_train_tma import MAX_TMA_RANK
+    from flexserve_kernels.lora.train.fused_tma import MAX_TMA_RANK
 
     x, weight = torch.zeros(8, 64), torch.zeros(32, 64)
     assert fused.base_gemm_forms("auto", x, weight, 16) == ("blas", "blas")

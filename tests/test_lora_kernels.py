@@ -30,14 +30,14 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora_meta import LoRAKernelMeta
-from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.ref import lora_expand_ref, lora_shrink_ref
 
-_KERNEL_MODULES = ("flexserve_kernels.lora_shrink", "flexserve_kernels.lora_expand")
+_KERNEL_MODULES = ("flexserve_kernels.lora.serve.shrink", "flexserve_kernels.lora.serve.expand")
 
 
 shrink_kernels, expand_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
-from flexserve_kernels import lora_ops  # noqa: E402  (after the kernels are decorated)
+from flexserve_kernels.lora.serve import ops as lora_ops  # noqa: E402  (after the kernels are decorated)
 
 
 INTERPRETED = is_interpreted(shrink_kernels._lora_shrink_sgmv_kernel)
@@ -372,8 +372,9 @@ def test_launchers_reject_bad_block_sizes():
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_expand as ke, lora_shrink as ks
+from flexserve_kernels.lora.serve import expand as ke
 
+from flexserve_kernels.lora.serve import shrink as ks
 I32 = "i32"
 P = {"bf16": "*bf16", "fp32": "*fp32"}
 

@@ -22,7 +22,7 @@ import httpx
 
 from _server_process import ServerProcess
 
-from flexserve.entrypoints.api_server import ServerThread, build_app
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from _fake_engine import MODEL as FAKE, FakeExecutor, fake_engine, wait_until
 
 MODEL = "smollm2"

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from flexserve.worker import backward_ops, finetune_warmup
-from flexserve.worker.backward_ops import (
+from flexserve.worker.finetune import backward_ops
+from flexserve.worker.finetune import warmup as finetune_warmup
+from flexserve.worker.finetune.backward_ops import (
     cudnn_prefix_buckets,
     padded_prefix_attention,
     prefix_bucket,
