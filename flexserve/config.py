@@ -14,11 +14,6 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 
 
-def flexserve_home() -> str:
-    """The state directory for converted models, profiles and jobs (`$FLEXSERVE_HOME`)."""
-    return os.path.expanduser(os.environ.get("FLEXSERVE_HOME", "~/.cache/flexserve"))
-
-
 def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return

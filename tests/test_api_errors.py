@@ -15,8 +15,8 @@ from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.llm_engine import LLMEngine
 from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import BatchPlan, StepResult, TokenLogprobs
-from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "smollm2"
 API_KEY = "sk-test-key"

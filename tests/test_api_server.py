@@ -17,10 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flexserve import LLM, SamplingParams
 from flexserve.config import CacheConfig, EngineConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.detokenizer import decode_token
-from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 1024

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from _triton_interpret import (
     import_kernels,
     interpreter_hooks,

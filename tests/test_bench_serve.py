@@ -14,9 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from flexserve.config import CacheConfig, EngineConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.bench.finetune import FinetuneSample, finetune_tokens_per_s
 from flexserve.bench.metrics import (
     RequestRecord,
@@ -35,7 +32,9 @@ from flexserve.bench.workload import (
     load_jsonl_requests,
     sharegpt_like_lengths,
 )
+from flexserve.config import CacheConfig, EngineConfig, ModelConfig
 from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
 
 def take(iterator, n: int) -> list:

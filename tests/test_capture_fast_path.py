@@ -172,7 +172,7 @@ def test_two_windows_with_different_plans_get_exactly_their_rows(tiny):
     capture = RecordingCapture()
     run_step(model, hf_config, stores, capture)
     num_checked = 0
-    for index, (n, start, slot, job) in enumerate(ROWS):
+    for index, (n, start, _slot, job) in enumerate(ROWS):
         if job is None:
             continue
         store, rows = stores[job], window_rows(index)

@@ -16,10 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.finetune.service import FinetuneServiceConfig
-from flexserve.entrypoints.engine_builder import build_async_engine
 
 MODEL = "smollm2"
 MAX_UPLOAD_BYTES = 4096

@@ -32,12 +32,13 @@ from transformers import AutoConfig
 from flexserve import LLM
 from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.finetune.service import FinetuneServiceConfig
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.lora import LoRAAdapter
 from flexserve.peft.peft_io import ADAPTER_WEIGHTS_NAME, save_peft_adapter
-from flexserve.entrypoints.engine_builder import build_async_engine
+
 from _tokenizer import tiny_byte_level_tokenizer
 
 MODEL = "tiny"

@@ -15,11 +15,11 @@ import openai
 import pytest
 
 from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.openai.auth import APIKeyTable
 from flexserve.finetune.service import FinetuneServiceConfig
-from flexserve.entrypoints.engine_builder import build_async_engine
+
 from _tokenizer import tiny_byte_level_tokenizer
 
 MODEL = "tiny"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
 
 (kf, kd, kb) = import_kernels(("flexserve_kernels.lora.train.fused", "flexserve_kernels.lora.train.dropout",

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_training import train_hf_peft
-
 from flexserve import LLM
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
+
+from _hf_training import train_hf_peft
 
 pytestmark = [pytest.mark.gpu]
 

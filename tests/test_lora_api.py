@@ -21,13 +21,13 @@ from starlette.testclient import TestClient
 
 from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.cli.args import engine_config_from_args, parse_lora_modules
 from flexserve.entrypoints.cli.main import build_parser
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.lora import LoRAAdapter
 from flexserve.peft.peft_io import ADAPTER_CONFIG_NAME, save_peft_adapter
-from flexserve.entrypoints.engine_builder import build_async_engine
 
 MODEL = "smollm2"
 MAX_LORA_RANK = 16

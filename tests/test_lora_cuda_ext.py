@@ -86,17 +86,6 @@ def test_env_switch_turns_the_extension_off(fresh_loader, caplog, monkeypatch):
     assert not cuda_ext.cuda_decode_replaces_fused("cuda", meta)
 
 
-def test_decode_backend_parsing(monkeypatch):
-    monkeypatch.delenv("FLEXSERVE_LORA_DECODE_BACKEND", raising=False)
-    assert cuda_ext.decode_backend() == "auto"
-    for value in ("cuda", "TRITON", "auto"):
-        monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", value)
-        assert cuda_ext.decode_backend() == value.lower()
-    monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "cutlass")
-    with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
-        cuda_ext.decode_backend()
-
-
 def test_cpu_tensors_never_take_the_extension(monkeypatch):
     monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "cuda")
     decode = LoRAKernelMeta.build([1, 1, 1], [0, -1, 2], "cpu")

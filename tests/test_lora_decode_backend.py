@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flexserve_kernels.lora.serve
+from flexserve import envs
 from flexserve.layers import lora_linear
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
@@ -77,7 +78,7 @@ def launches(monkeypatch):
         "expand": dict(lora_expand_bgmv=recorder("triton_bgmv_expand", expand),
                             lora_expand_sgmv=recorder("triton_sgmv_expand", expand)),
         "fused": dict(lora_fused_bgmv=recorder("fused", lambda x, groups, slots: None)),
-        "expand_folded": dict(lora_expand_folded=recorder("folded_expand", lambda *a: None)),
+        "expand_folded": dict(expand_bypass=recorder("folded_expand", lambda *a: None)),
     }
     for name, attrs in fakes.items():
         module = types.ModuleType(f"flexserve_kernels.lora.serve.{name}")
@@ -111,11 +112,11 @@ def _run_add_lora(module: LoRALinear, meta: LoRAKernelMeta) -> None:
 # ------------------------------------------------------------------------------------ decisions
 def test_default_backend_is_auto_and_bad_values_raise(monkeypatch):
     monkeypatch.delenv("FLEXSERVE_LORA_DECODE_BACKEND", raising=False)
-    assert cuda_ext.decode_backend() == "auto"
+    assert envs.lora_decode_backend() == "auto"
     assert cuda_ext.CUDA_DECODE_MAX_ROWS == 16
     monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "cublas")
     with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
-        cuda_ext.decode_backend()
+        envs.lora_decode_backend()
     with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
         cuda_ext.cuda_decode_wanted("cuda", decode_meta(4))
     with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):

@@ -10,14 +10,16 @@ Tolerances: the kernel and the reference both form the delta in fp32 from the sa
 once, so they differ by fp32 summation order: in 16-bit one ulp of y (2 eps relative below; the
 interpreter truncates fp32 -> bf16, doubling it), in fp32 a few ulps (1e-5 relative). The fused
 SiLU-and-mul against the expand-then-activation reference: fp32 1e-5; bf16 2e-2 (a rounded
-intermediate one ulp apart moves the op's rounded result by up to two ulps). Against the unfolded fp32 oracle, 16-bit runs
-also round s to the model dtype in the GEMM: relative L2 <= 1e-2 for bf16.
+intermediate one ulp apart moves the op's rounded result by up to two ulps). Against the unfolded
+fp32 oracle, 16-bit runs also round s to the model dtype in the GEMM: relative L2 <= 1e-2 for bf16.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -25,7 +27,6 @@ from _triton_interpret import (
     is_interpreted,
     library_is_compiled,
 )
-from torch import nn
 
 folded_kernels, act_kernels = import_kernels(
     ("flexserve_kernels.lora.serve.expand_folded", "flexserve_kernels.activation"),
@@ -220,11 +221,12 @@ def test_fold_refused_over_max_fraction_keeps_unmerged_single_linears():
 
 
 def test_model_folds_every_group_and_decodes_like_the_unfolded_model():
+    from transformers import LlamaConfig
+
     from flexserve.layers.forward_context import set_forward_context
     from flexserve.model.llama import LlamaForCausalLM
     from flexserve.worker.lora_manager import attach_lora_linears
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
-    from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -31,9 +34,8 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
-
-_KERNEL_MODULES = ("flexserve_kernels.lora.serve.shrink", "flexserve_kernels.lora.serve.expand", "flexserve_kernels.lora.serve.fused")
+_KERNEL_MODULES = ("flexserve_kernels.lora.serve.shrink", "flexserve_kernels.lora.serve.expand",
+                   "flexserve_kernels.lora.serve.fused")
 
 
 shrink_kernels, expand_kernels, fused_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())

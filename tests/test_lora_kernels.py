@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.ref import lora_expand_ref, lora_shrink_ref
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -30,15 +34,11 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
-from flexserve_kernels.lora.serve.ref import lora_expand_ref, lora_shrink_ref
-
 _KERNEL_MODULES = ("flexserve_kernels.lora.serve.shrink", "flexserve_kernels.lora.serve.expand")
 
 
 shrink_kernels, expand_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 from flexserve_kernels.lora.serve import ops as lora_ops  # noqa: E402  (after the kernels are decorated)
-
 
 INTERPRETED = is_interpreted(shrink_kernels._lora_shrink_sgmv_kernel)
 # Interpreted kernels run on CPU tensors; compiled ones on the GPU (the lead's CI for this file).

@@ -11,12 +11,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexserve.config import CacheConfig, EngineConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.serving_stats import FinishedRequestStats, IterationStats
+from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.metrics import PrometheusStatLogger
 from flexserve.metrics.prometheus import iteration_tokens_buckets
-from flexserve.entrypoints.engine_builder import build_async_engine
 
 MODEL = "smollm2"
 

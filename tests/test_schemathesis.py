@@ -23,8 +23,9 @@ from schemathesis.specs.openapi.checks import (
 
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.openai.auth import APIKeyTable
-from flexserve.finetune.service import FinetuneServiceConfig
 from flexserve.entrypoints.openai.limits import AdmissionLimits
+from flexserve.finetune.service import FinetuneServiceConfig
+
 from _fake_engine import MODEL, FakeExecutor, fake_engine
 
 API_KEY = "sk-schemathesis"

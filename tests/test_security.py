@@ -15,7 +15,7 @@ import torch
 from starlette.routing import Route
 
 from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai import auth
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.openai.auth import APIKeyTable, bearer_token, read_api_key_file
@@ -28,7 +28,7 @@ from flexserve.peft.peft_io import (
     load_peft_adapter,
     save_peft_adapter,
 )
-from flexserve.entrypoints.engine_builder import build_async_engine
+
 from _fake_engine import MODEL, FakeExecutor, fake_engine
 
 KEY_FILE = """\

@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from flexserve import envs
 from flexserve.bench.finetune import (
     FinetuneMonitor,
     add_finetune_arguments,
@@ -301,8 +302,7 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                        help="/v1/completions or /v1/chat/completions [%(default)s]")
     group.add_argument("--api-key",
-                       default=os.environ.get("FLEXSERVE_API_KEY") or os.environ.get(
-                           "OPENAI_API_KEY"),
+                       default=envs.api_key() or os.environ.get("OPENAI_API_KEY"),
                        help="sent as `Authorization: Bearer KEY` [$FLEXSERVE_API_KEY, else "
                             "$OPENAI_API_KEY, else none]")
     group.add_argument("--request-timeout", type=float, default=3600.0,

@@ -26,8 +26,8 @@ from typing import Any
 
 from flexserve.engine.adapter_manager import AdapterLoadError
 from flexserve.engine.llm_engine import LLMEngine, PreparedRequest
-from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.lora_request import LoRARequest
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.serving_stats import (
     FinishedRequestStats,
     IterationStats,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from flexserve.engine.executor import AsyncExecutor, Executor
+
+from flexserve.engine.executor import Executor
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
 from flexserve.engine.scheduler import Scheduler

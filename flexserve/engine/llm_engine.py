@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flexserve.config import EngineConfig, flexserve_home
+from flexserve import envs
+from flexserve.config import EngineConfig
 from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager, NoFreeSlotError
 from flexserve.engine.engine_core import EngineCore, StepStats
 from flexserve.engine.executor import Executor, LoRAExecutor
@@ -100,9 +101,9 @@ class LLMEngine:
         if path is not None:
             model = LatencyModel.load(path)
         else:
-            model = load_matching_profile(flexserve_home(), info.device_name, info.name,
+            model = load_matching_profile(envs.home(), info.device_name, info.name,
                                           info.dtype)
-            path = profile_path(flexserve_home(), info.device_name, info.name, info.dtype)
+            path = profile_path(envs.home(), info.device_name, info.name, info.dtype)
         if model is None:
             logger.info("no latency profile at %s: fine-tuning windows start small and grow "
                         "from measured iterations (run `flexserve profile` to calibrate)", path)

@@ -18,12 +18,11 @@ from flexserve.config import (
     SchedulerConfig,
 )
 from flexserve.engine.adapter_manager import AdapterLoadError
-from flexserve.engine.llm_engine import LLMEngine
 from flexserve.engine.lora_request import LoRARequest
+from flexserve.entrypoints.engine_builder import build_engine
 from flexserve.finetune.job import FinetuneJob, start_finetune_job
 from flexserve.outputs import RequestOutput
 from flexserve.sampling_params import SamplingParams
-from flexserve.entrypoints.engine_builder import build_engine
 
 Message = dict[str, Any]
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexserve.layers.forward_context import get_forward_context
-from flexserve_kernels.lora.serve.cuda_ext import cuda_decode_replaces_fused
 from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora.serve.cuda_ext import cuda_decode_replaces_fused
 from flexserve_kernels.lora.serve.ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
 
 # Projections whose decode-sized batches take the fused shrink+expand kernel. down_proj stays on

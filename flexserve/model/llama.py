@@ -177,7 +177,10 @@ class MergedProjection:
         """The projections' outputs (column slices of one tensor), LoRA bypasses added."""
         y, bypass = self.project(x, linears)
         if bypass is not None:
-            bypass.expand(y)
+            # Imported here: the folded expand is a Triton kernel, and folding happens only on CUDA.
+            from flexserve_kernels.lora.serve.expand_folded import expand_bypass
+
+            expand_bypass(bypass, y)
         return y.split(self.sizes, dim=-1)
 
 

@@ -43,8 +43,8 @@ from flexserve.worker.kv_cache import (
     num_blocks_from_memory,
 )
 from flexserve.worker.lora_manager import LoRAManager
-from flexserve_kernels.lora.serve.cuda_ext import load_for_decode
 from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora.serve.cuda_ext import load_for_decode
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)

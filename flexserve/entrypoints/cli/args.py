@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Sequence
 
+from flexserve import envs
 from flexserve.config import (
     DEFAULT_MODEL,
     CacheConfig,
@@ -214,4 +214,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def apply_state_dir(args: argparse.Namespace) -> None:
     """--state-dir: the model registry and the converters read it from the environment."""
     if args.state_dir:
-        os.environ["FLEXSERVE_HOME"] = os.path.abspath(os.path.expanduser(args.state_dir))
+        envs.set_home(args.state_dir)

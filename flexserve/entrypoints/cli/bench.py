@@ -18,7 +18,11 @@ import logging
 import time
 from typing import Any
 
-from flexserve.entrypoints.cli.args import add_engine_arguments, apply_state_dir, engine_config_from_args
+from flexserve.entrypoints.cli.args import (
+    add_engine_arguments,
+    apply_state_dir,
+    engine_config_from_args,
+)
 
 logger = logging.getLogger("flexserve.bench")
 

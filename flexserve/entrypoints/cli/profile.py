@@ -14,7 +14,11 @@ import logging
 import time
 from typing import Any
 
-from flexserve.entrypoints.cli.args import add_engine_arguments, apply_state_dir, engine_config_from_args
+from flexserve.entrypoints.cli.args import (
+    add_engine_arguments,
+    apply_state_dir,
+    engine_config_from_args,
+)
 
 logger = logging.getLogger("flexserve.profile")
 
@@ -55,8 +59,8 @@ def add_profile_parser(commands: Any) -> argparse.ArgumentParser:
 
 def profile(args: argparse.Namespace) -> int:
     """Build the executor, profile, fit, report, save."""
-    from flexserve import __version__
-    from flexserve.config import LoRAConfig, flexserve_home
+    from flexserve import __version__, envs
+    from flexserve.config import LoRAConfig
     from flexserve.engine.latency_model import profile_path
     from flexserve.finetune.hyperparameters import Hyperparameters
     from flexserve.worker.builder import build_executor
@@ -94,7 +98,7 @@ def profile(args: argparse.Namespace) -> int:
         "grid": grid.to_dict(),
     }
     model = fit_profile(result, metadata)
-    path = args.out or profile_path(flexserve_home(), device, info.name, info.dtype)
+    path = args.out or profile_path(envs.home(), device, info.name, info.dtype)
     model.save(path)
     fit, heldout = model.metadata["fit"], model.metadata["heldout"]
     print(f"profiled {result.num_iterations} iterations in {result.seconds:.1f} s: "

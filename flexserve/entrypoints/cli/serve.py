@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from typing import Any
 
+from flexserve import envs
 from flexserve.entrypoints.cli.args import (
     add_engine_arguments,
     apply_state_dir,
@@ -94,7 +94,6 @@ def serve(args: argparse.Namespace) -> int:
     """Load the model, log what was built, run uvicorn until interrupted."""
     import uvicorn
 
-    from flexserve.config import flexserve_home
     from flexserve.entrypoints.engine_builder import build_async_engine
     from flexserve.entrypoints.openai.api_server import build_app
     from flexserve.entrypoints.openai.auth import APIKeyTable
@@ -107,7 +106,7 @@ def serve(args: argparse.Namespace) -> int:
     apply_state_dir(args)
     config = engine_config_from_args(args)
     # --- reliability and security ---
-    env_key = os.environ.get("FLEXSERVE_API_KEY")
+    env_key = envs.api_key()
     api_keys = APIKeyTable.from_sources(args.api_keys or ([env_key] if env_key else []),
                                         args.api_key_file)
     if args.max_queue_len < 0:
@@ -123,7 +122,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_upload_mb <= 0:
         raise ValueError(f"--max-upload-mb must be positive, got {args.max_upload_mb}")
     finetune = FinetuneServiceConfig(
-        state_dir=flexserve_home(), checkpoint_every_steps=args.checkpoint_every_steps,
+        state_dir=envs.home(), checkpoint_every_steps=args.checkpoint_every_steps,
         max_concurrent_jobs=args.max_concurrent_jobs,
         max_upload_bytes=args.max_upload_mb * 1024 * 1024)
     logger.info("loading model %s (dtype %s, load format %s)", args.model, args.dtype,

@@ -27,8 +27,12 @@ from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.entrypoints.openai import serving_files
 from flexserve.entrypoints.openai import serving_finetune as serving_fine_tuning
 from flexserve.entrypoints.openai.auth import APIKeyMiddleware, APIKeyTable
-from flexserve.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
-from flexserve.finetune.service import FinetuneService, FinetuneServiceConfig
+from flexserve.entrypoints.openai.errors import (
+    EXCEPTION_HANDLERS,
+    APIError,
+    bad_request,
+    error_response,
+)
 from flexserve.entrypoints.openai.health import HealthMonitor
 from flexserve.entrypoints.openai.limits import (
     AdmissionController,
@@ -50,6 +54,7 @@ from flexserve.entrypoints.openai.serving_base import ClientDisconnected, json_r
 from flexserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from flexserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from flexserve.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_GRACE_S, GracefulShutdown
+from flexserve.finetune.service import FinetuneService, FinetuneServiceConfig
 from flexserve.metrics import PrometheusStatLogger
 from flexserve.metrics.finetune_metrics import FinetuneMetrics
 

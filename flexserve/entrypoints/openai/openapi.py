@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from flexserve.entrypoints.openai.health import HealthStatus
 from flexserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -19,7 +20,6 @@ from flexserve.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from flexserve.entrypoints.openai.health import HealthStatus
 from flexserve.entrypoints.openai.protocol_finetune import (
     FileDeleted,
     FileList,

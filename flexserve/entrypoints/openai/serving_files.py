@@ -16,7 +16,6 @@ from starlette.responses import Response
 
 from flexserve.entrypoints.openai.auth import owner_tenant
 from flexserve.entrypoints.openai.errors import APIError, bad_request
-from flexserve.finetune.service import FinetuneService
 from flexserve.entrypoints.openai.protocol_finetune import (
     FILE_PURPOSES,
     FileDeleted,
@@ -25,6 +24,7 @@ from flexserve.entrypoints.openai.protocol_finetune import (
 )
 from flexserve.entrypoints.openai.serving_base import json_response
 from flexserve.finetune.data import load_training_data
+from flexserve.finetune.service import FinetuneService
 
 MAX_LIST_LIMIT = 10000  # OpenAI's bound on `limit` of GET /v1/files
 

@@ -23,7 +23,6 @@ from starlette.responses import Response
 
 from flexserve.entrypoints.openai.auth import owner_tenant
 from flexserve.entrypoints.openai.errors import APIError, bad_request
-from flexserve.finetune.service import FINAL_STATUSES, FinetuneService
 from flexserve.entrypoints.openai.protocol_finetune import (
     FineTuningJob,
     FineTuningJobCheckpoint,
@@ -37,8 +36,9 @@ from flexserve.entrypoints.openai.serving_base import json_response
 from flexserve.entrypoints.openai.serving_files import int_query_param
 from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
 from flexserve.finetune.hyperparameters import Hyperparameters
-from flexserve.finetune.steps import plan_training_steps
 from flexserve.finetune.records import JobRecord
+from flexserve.finetune.service import FINAL_STATUSES, FinetuneService
+from flexserve.finetune.steps import plan_training_steps
 from flexserve.finetune.store import new_id
 
 MAX_PAGE_LIMIT = 1000

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 
@@ -34,9 +33,9 @@ from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.layer_graph import LayerGraph
 from flexserve.worker.finetune.activation_offload import HostOffload
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora.train.ref import dropout_keep_ref, row_seed
 from flexserve_kernels.lora.serve.meta import DropoutWindows
 from flexserve_kernels.lora.serve.ops import MAX_WINDOW_RANK, lora_shrink, lora_window_shrink
+from flexserve_kernels.lora.train.ref import dropout_keep_ref, row_seed
 
 COMPRESSIONS = ("bitmask",)
 _TARGET_INDEX = {target: i for i, target in enumerate(TARGET_MODULES)}

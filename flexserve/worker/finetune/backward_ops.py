@@ -32,7 +32,6 @@ warm-up built that bucket's plans in the calling thread (`warm_prefix_attention`
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any
 
@@ -41,8 +40,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from flexserve import envs
 from flexserve.layers.rotary import rotate
-
 
 _16BIT = (torch.float16, torch.bfloat16)
 
@@ -213,7 +212,7 @@ def window_attention(
     execution plan per new shape, and window shapes vary (latency-sized windows, sequence
     lengths). On the H200 (Llama-3.1-8B, co-serving windows) those builds made one backward
     iteration in ~27 take 110-190 ms against ~25-40 ms predicted; with flash they are gone and
-    fine-tuning under the SLO ran 37% faster (docs/benchmarks.md, session 7). cuDNN was faster
+    fine-tuning under the SLO ran 37% faster (docs/benchmarks.md). cuDNN was faster
     at a fixed shape, though, so with FLEXSERVE_WINDOW_ATTENTION=cudnn-buckets a window that
     covers the whole prefix (n == end) and pads to a bucket of `CUDNN_MIN_PREFIX_BUCKET` rows
     or more runs on cuDNN padded to `prefix_bucket(end)` rows (`padded_prefix_attention`:
@@ -223,7 +222,7 @@ def window_attention(
     ones and any bucket not warmed take the path above."""
     heads, kv_heads, end = q.shape[1], k.shape[1], k.shape[2]
     if (q.device.type == "cuda" and q.shape[2] == end
-            and window_attention_mode() == "cudnn-buckets"):
+            and envs.window_attention() == "cudnn-buckets"):
         length = prefix_bucket(end)
         if (length >= CUDNN_MIN_PREFIX_BUCKET and _warm_key(q, k, length, scale) in _warm_plans()
                 and _cudnn_accepts(q, k, v)):
@@ -254,23 +253,6 @@ def _grouped_kv_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
     return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
-
-
-# FLEXSERVE_WINDOW_ATTENTION: what a whole-prefix backward window runs on CUDA. "flash": the
-# SDPA call of every window (`WINDOW_SDPA_BACKENDS`); "cudnn-buckets": cuDNN padded to a bucket
-# length whose plans the warm-up built (`window_attention`).
-WINDOW_ATTENTION_MODES = ("flash", "cudnn-buckets")
-DEFAULT_WINDOW_ATTENTION = "cudnn-buckets"
-
-
-def window_attention_mode() -> str:
-    """FLEXSERVE_WINDOW_ATTENTION, else `DEFAULT_WINDOW_ATTENTION`; ValueError for anything
-    that is not one of `WINDOW_ATTENTION_MODES`."""
-    mode = os.environ.get("FLEXSERVE_WINDOW_ATTENTION", DEFAULT_WINDOW_ATTENTION).lower()
-    if mode not in WINDOW_ATTENTION_MODES:
-        raise ValueError(f"FLEXSERVE_WINDOW_ATTENTION must be one of {WINDOW_ATTENTION_MODES}, "
-                         f"got {mode!r}")
-    return mode
 
 
 # Bucket lengths: multiples of 128 up to 1024, then 8 per octave (multiples of 2^k / 8 in

@@ -40,7 +40,7 @@ halves). That dX term reaches the frozen linear's dX GEMM epilogue, as the bypas
 without dropout, and the dropout op's own backward has nothing left to do. LoRA A's output S,
 where the plan rematerializes it, is fused LoRA kernel 1 over the dropout's input, as in the
 forward (`fused_lora_dropout_shrink`): the mask is never built as a tensor there either. Without dropout the
-torch ops stay: measured on an H200 (docs/benchmarks.md, session 12), the kernels' extra
+torch ops stay: measured on an H200 (docs/benchmarks.md), the kernels' extra
 launches made the host the bottleneck, and cuBLAS's fp32 GEMMs for LoRA B were faster than an
 fp32 Triton kernel 3.
 """
@@ -79,8 +79,7 @@ from flexserve.worker.finetune.backward_ops import (
 )
 from flexserve_kernels.dispatch import use_triton
 
-
-# On an H200 (Llama-3.1-8B down_proj, r=16; docs/benchmarks.md, session 6) one layer's LoRA
+# On an H200 (Llama-3.1-8B down_proj, r=16; docs/benchmarks.md) one layer's LoRA
 # products and down_proj dX took 273 vs 345 us at 1024 rows and 887 vs 1227 at 4096 as 16-bit
 # GEMMs with fp32 outputs, but 196-247 vs 108-121 us at 16-256 rows (more launches, slower small
 # out_dtype GEMMs): the co-serving windows' sizes.
@@ -145,7 +144,7 @@ def check_plan(graph: LayerGraph, store: ActivationStore) -> None:
         kept = store.stored_names[layer] | store.kv_cache_names
         memo: dict[str, bool] = {}
 
-        def available(name: str) -> bool:
+        def available(name: str, memo: dict[str, bool] = memo, kept: set[str] = kept) -> bool:
             if name not in memo:
                 memo[name] = False  # a cycle cannot make itself available
                 producer = graph.producer(name)

@@ -32,8 +32,8 @@ from flexserve.finetune.checkpoint import (
 )
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.optimizer import AdapterOptimizer
-from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.activation_budget import LayerPlans, budget_bytes_from_gib, plan_layers
+from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
 from flexserve.peft.lora import LoRAAdapter, lora_scaling

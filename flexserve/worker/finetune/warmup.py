@@ -23,7 +23,7 @@ compile their own LoRA kernel variants.
 Before those, `warmup_window_attention` builds cuDNN's attention plans for the whole-prefix
 backward windows, one per bucket length up to the longest fine-tuning sequence's
 (`backward_ops.window_attention`, FLEXSERVE_WINDOW_ATTENTION=cudnn-buckets): a plan built
-mid-serving stalled an iteration by 110-190 ms on the H200 (docs/benchmarks.md, session 7).
+mid-serving stalled an iteration by 110-190 ms on the H200 (docs/benchmarks.md).
 torch keeps those plans per thread, so a thread other than the loading one that runs the
 backward (the server's engine thread) has to call `warmup_window_attention` itself; until it
 does, its windows run flash.
@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
+from flexserve import envs
 from flexserve.worker.finetune.backward_ops import (
     cudnn_prefix_buckets,
     warm_prefix_attention,
-    window_attention_mode,
 )
 from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, ProfileGrid
 from flexserve.worker.profiler import profile_executor
@@ -112,7 +112,7 @@ def warmup_window_attention(executor: Any, max_finetune_len: int) -> list[int] |
     `executor`'s model (head counts, head dim, scale, dtype), one per bucket length that runs on
     cuDNN up to `max_finetune_len`'s (`cudnn_prefix_buckets`); returns the lengths built, or
     None where windows do not use them (not CUDA, FLEXSERVE_WINDOW_ATTENTION=flash)."""
-    if executor.device.type != "cuda" or window_attention_mode() != "cudnn-buckets":
+    if executor.device.type != "cuda" or envs.window_attention() != "cudnn-buckets":
         return None
     attn = executor.model.model.layers[0].self_attn.attn
     lengths = cudnn_prefix_buckets(max_finetune_len)

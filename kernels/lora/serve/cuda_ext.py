@@ -44,21 +44,19 @@ from __future__ import annotations
 import fcntl
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from flexserve import envs
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "flexserve_lora_bgmv"
 SOURCE_NAMES = ("lora_bgmv.cpp", "lora_bgmv.cu")
-DECODE_BACKENDS = ("auto", "cuda", "triton")
-DEFAULT_DECODE_BACKEND = "auto"
 # auto's largest decode batch (tokens) for the CUDA BGMV pair. H100, Llama-3.1-8B down_proj (in
 # 14336, out 4096), rank 16, 8 adapters, `benchmarks/kernels/lora_bgmv_cuda.py --part kernels`:
 # the pair takes 5.5 / 8.9 / 19.1 us per layer at 1 / 16 / 64 tokens against Triton BGMV's 6.3 /
@@ -74,19 +72,6 @@ class BGMVOps:
     expand: object  # torch.ops.flexserve.lora_bgmv_expand(s, lora_b, token_slots, scaling, y) -> None
 
 
-def extension_enabled() -> bool:
-    """FLEXSERVE_CUDA_EXT: anything but 0/false/off/no leaves the extension on (read per call)."""
-    return os.environ.get("FLEXSERVE_CUDA_EXT", "1").lower() not in ("0", "false", "off", "no")
-
-
-def decode_backend() -> str:
-    """FLEXSERVE_LORA_DECODE_BACKEND: auto (default), cuda or triton; ValueError for anything else."""
-    backend = os.environ.get("FLEXSERVE_LORA_DECODE_BACKEND", DEFAULT_DECODE_BACKEND).lower()
-    if backend not in DECODE_BACKENDS:
-        raise ValueError(f"FLEXSERVE_LORA_DECODE_BACKEND must be one of {DECODE_BACKENDS}, got {backend!r}")
-    return backend
-
-
 def source_dir() -> Path:
     """csrc/ beside kernels/ in a checkout, or flexserve_kernels/csrc in an installed package."""
     package = Path(__file__).resolve().parents[2]  # kernels/ (flexserve_kernels/ when installed)
@@ -98,7 +83,7 @@ def source_dir() -> Path:
 
 def unavailable_reason() -> str | None:
     """Why the extension cannot be built here, or None when it can be tried (checks only; no build)."""
-    if not extension_enabled():
+    if not envs.cuda_ext_enabled():
         return "FLEXSERVE_CUDA_EXT=0 turns it off"
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is built without CUDA"
@@ -119,7 +104,7 @@ def unavailable_reason() -> str | None:
 def load_lora_bgmv() -> BGMVOps | None:
     """The BGMV ops, building the extension on first use; None where it is unavailable (the
     reason is logged once per process). Honors FLEXSERVE_CUDA_EXT=0 on every call."""
-    if not extension_enabled():
+    if not envs.cuda_ext_enabled():
         _log_once("FLEXSERVE_CUDA_EXT=0 turns it off")
         return None
     return _load()
@@ -136,7 +121,7 @@ def cuda_bgmv_loaded(device: torch.device | str) -> bool:
     request's path stalled one co-serving iteration of an H200 server for 10.6 s, when a
     fine-tuning window of one token made a captured forward's batch decode-only while the
     start-up had not built it (down_proj folded)."""
-    if torch.device(device).type != "cuda" or not extension_enabled():
+    if torch.device(device).type != "cuda" or not envs.cuda_ext_enabled():
         return False
     return _load.cache_info().currsize > 0 and _load() is not None
 
@@ -148,7 +133,7 @@ def cuda_decode_wanted(device: torch.device | str, meta: LoRAKernelMeta) -> bool
     the same for every batch of one size, so a CUDA graph captured per batch size stays valid."""
     if not meta.decode_only:
         return False
-    backend = decode_backend()
+    backend = envs.lora_decode_backend()
     if backend == "triton" or (backend == "auto" and meta.num_tokens > CUDA_DECODE_MAX_ROWS):
         return False
     return cuda_bgmv_loaded(device)
@@ -157,7 +142,7 @@ def cuda_decode_wanted(device: torch.device | str, meta: LoRAKernelMeta) -> bool
 def cuda_decode_replaces_fused(device: torch.device | str, meta: LoRAKernelMeta) -> bool:
     """Whether FLEXSERVE_LORA_DECODE_BACKEND=cuda sends the fused Triton groups (and the folded
     ones) to the extension too; auto never does."""
-    return decode_backend() == "cuda" and cuda_decode_wanted(device, meta)
+    return envs.lora_decode_backend() == "cuda" and cuda_decode_wanted(device, meta)
 
 
 def load_for_decode(device: torch.device | str, bgmv_pairs: bool = True) -> BGMVOps | None:
@@ -168,7 +153,7 @@ def load_for_decode(device: torch.device | str, bgmv_pairs: bool = True) -> BGMV
     capture, so the build (12.8 s of nvcc on a fresh H200) never runs inside a capture or on a
     request's path. None where it is not wanted or unavailable (the reason logged once);
     ValueError for a bad FLEXSERVE_LORA_DECODE_BACKEND."""
-    backend = decode_backend()
+    backend = envs.lora_decode_backend()
     if backend == "triton" or torch.device(device).type != "cuda" or (backend == "auto" and not bgmv_pairs):
         return None
     start = time.perf_counter()
@@ -247,9 +232,7 @@ def _build() -> None:
     # sm_90 on Hopper (H100/H200): -arch=sm_90 embeds sm_90 machine code and compute_90 PTX; an
     # explicit arch flag also stops torch from adding its own -gencode list.
     arch = f"sm_{major}{minor}"
-    # $FLEXSERVE_HOME as flexserve.config.flexserve_home reads it (kernels/ never imports flexserve).
-    home = os.path.expanduser(os.environ.get("FLEXSERVE_HOME", "~/.cache/flexserve"))
-    build_dir = (Path(home) / "torch_extensions"
+    build_dir = (Path(envs.home()) / "torch_extensions"
                  / f"torch{torch.__version__.replace('+', '_')}-cu{torch.version.cuda}-{arch}")
     build_dir.mkdir(parents=True, exist_ok=True)
     sources = [str(source_dir() / name) for name in SOURCE_NAMES]
@@ -271,6 +254,6 @@ def _build() -> None:
 def _log_once(reason: str) -> None:
     # A warning where the user asked for the extension; under the default (auto) falling back to
     # Triton is expected on machines without nvcc, so it is news, not a problem.
-    asked = os.environ.get("FLEXSERVE_LORA_DECODE_BACKEND", "").lower() == "cuda"
+    asked = envs.lora_decode_backend() == "cuda"
     logger.log(logging.WARNING if asked else logging.INFO,
                "CUDA BGMV extension unavailable, LoRA decode uses Triton: %s", reason)

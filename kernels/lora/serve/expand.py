@@ -12,7 +12,12 @@ import triton.language as tl
 
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 from flexserve_kernels.lora.serve.ref import check_expand_args
-from flexserve_kernels.lora.serve.shrink import block_arg, busy_tiles, check_launchable, target_programs
+from flexserve_kernels.lora.serve.shrink import (
+    block_arg,
+    busy_tiles,
+    check_launchable,
+    target_programs,
+)
 
 
 @triton.jit

@@ -34,7 +34,8 @@ import triton.language as tl
 from flexserve_kernels.lora.serve.folded import FoldedLoRA, check_bypass, projection_ends
 from flexserve_kernels.lora.serve.shrink import block_arg, check_launchable
 
-__all__ = ["FoldedLoRA", "folded_lora_delta", "lora_expand_folded", "lora_expand_folded_ref", "check_folded_args"]
+__all__ = ["FoldedLoRA", "expand_bypass", "folded_lora_delta", "lora_expand_folded", "lora_expand_folded_ref",
+           "check_folded_args"]
 
 
 @triton.jit
@@ -88,6 +89,11 @@ def _lora_expand_folded_kernel(
     y_ptrs = y_ptr + token * stride_ym + offs_n
     y = tl.load(y_ptrs, mask=n_mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=n_mask)
+
+
+def expand_bypass(bypass: FoldedLoRA, y: torch.Tensor) -> None:
+    """Add a group's folded bypass into its base output y [T, sum(sizes)] (in place, one launch)."""
+    lora_expand_folded(bypass.s, bypass.lora_b, bypass.scaling, y, bypass.token_slots, bypass.sizes)
 
 
 def lora_expand_folded(

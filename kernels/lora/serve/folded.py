@@ -3,7 +3,7 @@
 A merged projection group (q/k/v, o, gate/up or down) keeps, below its base weight rows, the LoRA
 A rows of every slot, so one GEMM gives the base outputs and every slot's shrink
 (`MergedProjection.fold_lora` in flexserve.model.llama). What remains of the bypass is the expand,
-y += scaling * s B^T per token's slot: `lora_expand_folded` runs it alone (parallel over tokens and
+y += scaling * s B^T per token's slot: `expand_bypass` runs it alone (parallel over tokens and
 output tiles), and the SiLU-and-mul kernel fuses the gate/up pair's into the pass it makes over
 them anyway. (An RMSNorm with the o/down expand fused in was measured slower on an H200: one
 program per row streams that row's whole B alone; a decode step with adapters at batch 1 cost
@@ -32,12 +32,6 @@ class FoldedLoRA:
     scaling: torch.Tensor  # [P, num_slots] float32
     token_slots: torch.Tensor  # [T] int32/int64: each token's adapter slot, -1 = none
     sizes: tuple[int, ...]  # the projections' output widths, in column order
-
-    def expand(self, y: torch.Tensor) -> None:
-        """Add the bypass into the group's base output y [T, sum(sizes)] (in place, one launch)."""
-        from flexserve_kernels.lora.serve.expand_folded import lora_expand_folded
-
-        lora_expand_folded(self.s, self.lora_b, self.scaling, y, self.token_slots, self.sizes)
 
     def check(self, num_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
         """ValueError unless this bypass fits a [num_rows, width] base output (fusing launchers)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flexserve_kernels.lora.train.ref import row_seed
+from flexserve_kernels.lora.dropout_hash import row_seed
 
 
 @dataclass(slots=True)

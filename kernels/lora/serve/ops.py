@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from flexserve_kernels.lora.serve import cuda_ext
 from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora.serve import cuda_ext
 from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
-from flexserve_kernels.lora.serve.ref import check_expand_args, check_shrink_args, lora_expand_ref, lora_shrink_ref
+from flexserve_kernels.lora.serve.ref import (
+    check_expand_args,
+    check_shrink_args,
+    lora_expand_ref,
+    lora_shrink_ref,
+)
 
 VARIANTS = ("sgmv", "bgmv")
 # Batches of at most this many tokens take BGMV. Measured on an H200 (bf16, Llama-3.1-8B

@@ -7,7 +7,7 @@ model's backward, rematerializing a dropout output) needs it as a tensor. This k
 one pass, n x width bytes; the torch reference (`lora_fused_train_ref.dropout_keep_ref`) builds
 several int64 intermediates of the mask's size: on an H200 its int64 elementwise kernels took
 about 33 ms per 4096-token Llama-3.1-8B sequence with dropout on down_proj, about 1 ms a layer
-(docs/benchmarks.md, session 12).
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flexserve_kernels.lora.train.fused import dropout_keep, keep_threshold, kernel_seed
 from flexserve_kernels.lora.serve.shrink import check_launchable
+from flexserve_kernels.lora.train.fused import dropout_keep, keep_threshold, kernel_seed
 
 
 @triton.jit(do_not_specialize=["num_rows", "seed"])  # both change every window: no recompiles

@@ -13,7 +13,7 @@ so the term is read in cuBLAS's epilogue and the compute-bound GEMM keeps cuBLAS
 cost over the plain GEMM is one write of the term. "tma" (lora_fused_train_tma): LoRAFusion's
 literal form on Hopper, a persistent Triton GEMM over TMA with the LoRA product in its epilogue, no
 term through memory. "triton": the base GEMM in a Triton kernel with pointer loads; measured slower
-on Hopper, where these GEMMs reached 0.5-0.75x of cuBLAS (docs/benchmarks.md, session 3), and kept
+on Hopper, where these GEMMs reached 0.5-0.75x of cuBLAS (docs/benchmarks.md), and kept
 for that comparison. `fused_lora_linear`'s default, "auto", times "blas" and "tma" on the first
 call of each shape and keeps the faster (`timed_forward_form`).
 Dropout is never stored: the keep mask is a counter-based hash of (seed, token, column), and the
@@ -31,7 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from flexserve_kernels.lora.train.ref import HASH_COLUMN, HASH_MIX1, HASH_MIX2, HASH_TOKEN, mix32_ref
+from flexserve_kernels.lora.dropout_hash import (
+    HASH_COLUMN,
+    HASH_MIX1,
+    HASH_MIX2,
+    HASH_TOKEN,
+    mix32_ref,
+)
 from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
 from flexserve_kernels.lora.serve.shrink import check_launchable, target_programs
 
@@ -274,7 +280,7 @@ def add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_slots_ptr, toke
     rows' slots. A mixed tile walks the segments it overlaps, reading each one's start, length and
     slot in turn: a chain of dependent loads after the main loop, which cost the TMA form about
     1.7% of the base GEMM at 4096 x 4096 and 2048 x 4096 when every tile took it (the same tiles
-    before and after; docs/benchmarks.md, session 19)."""
+    before and after; docs/benchmarks.md)."""
     slot = tile_slot(token_slots_ptr, rows, M)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < max_rank
@@ -353,17 +359,6 @@ FWD_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 
                      (128, 128, 32, 4, 4), (64, 64, 64, 4, 4))
 
 
-# Autotune candidates (BLOCK_M, BLOCK_K, num_warps, num_stages) of kernel 1 unsplit (num_splits=1,
-# the form before split-K, kept for comparison) up to rank 32: it streams x, so what matters is
-# enough programs and bytes in flight.
-SHRINK_CONFIG_SHAPES = ((16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 8, 3), (64, 128, 4, 3),
-                        (64, 256, 8, 3))
-_shrink_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_M": m, "BLOCK_K": k}, num_warps=w, num_stages=s)
-             for m, k, w, s in SHRINK_CONFIG_SHAPES], key=["m_bucket", "in_size", "max_rank"])(
-    _lora_train_shrink_fwd_kernel)
-
-
 def gemm_configs(shapes: tuple[tuple[int, int, int, int, int], ...]) -> list[triton.Config]:
     """triton.Configs of (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples, grouped 8 row tiles."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
@@ -399,71 +394,6 @@ def check_base_gemm(base_gemm: str, choices: tuple[str, ...] = BASE_GEMMS) -> No
     """ValueError unless base_gemm is one of `choices`."""
     if base_gemm not in choices:
         raise ValueError(f"base_gemm must be one of {choices}, got {base_gemm!r}")
-
-
-def base_gemm_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, max_rank: int) -> tuple[str, str]:
-    """(forward, backward) forms of the frozen GEMMs for `fused_lora_linear`'s base_gemm. "auto":
-    kernel 4 on cuBLAS, and kernel 2 "auto" where its TMA form runs (a CUDA GPU of compute
-    capability >= 9.0, ranks up to MAX_TMA_RANK, 16-byte rows of x, W and y: `timed_forward_form`
-    then picks), else "blas". Any other value is both."""
-    if base_gemm != "auto":
-        return base_gemm, base_gemm
-    from flexserve_kernels.lora.train.fused_tma import tma_forward_runs
-
-    return ("auto" if tma_forward_runs(x, weight, max_rank) else "blas"), "blas"
-
-
-_FORWARD_FORMS: dict[tuple, str] = {}
-FORWARD_FORM_REPS = 4  # calls per timed batch
-FORWARD_FORM_ROUNDS = 3  # batches per form, the forms alternating
-_QUEUE_AHEAD_CYCLES = 4_000_000  # ~2 ms of GPU clock: the host queues a batch behind it
-
-
-def timed_forward_form(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
-                       meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor) -> str:
-    """Kernel 2's faster form here, "blas" (cuBLAS with the LoRA term as C) or "tma" (the persistent
-    Triton GEMM with the term in its epilogue), as the autotuner picks tiles. The first call of each
-    (device, token bucket, out, in, rank, dtype) runs each form once (their autotuning),
-    then times FORWARD_FORM_ROUNDS batches of FORWARD_FORM_REPS calls per form, alternating, each
-    batch between CUDA events queued behind a GPU sleep so that the events time the GPU and not the
-    host's launches (torch.cuda._sleep, private but long-standing); the form of the lower best
-    batch is kept, and later calls look it up: only a shape's first call synchronizes. Neither
-    wins everywhere on an H100: the TMA form saves the term's write and read, but its Triton GEMM
-    trails cuBLAS on some grids (docs/benchmarks.md, session 18)."""
-    key = (x.device, triton.next_power_of_2(x.shape[0]), weight.shape[0], x.shape[1], lora_b.shape[2], x.dtype)
-    form = _FORWARD_FORMS.get(key)
-    if form is not None:
-        return form
-    forms = ("blas", "tma")
-
-    def run(candidate: str) -> None:
-        lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=candidate)
-
-    for candidate in forms:
-        run(candidate)
-    best = dict.fromkeys(forms, float("inf"))
-    for _ in range(FORWARD_FORM_ROUNDS):
-        for candidate in forms:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_QUEUE_AHEAD_CYCLES)
-            begin.record()
-            for _ in range(FORWARD_FORM_REPS):
-                run(candidate)
-            end.record()
-            end.synchronize()
-            best[candidate] = min(best[candidate], begin.elapsed_time(end))
-    form = _FORWARD_FORMS[key] = min(best, key=best.get)
-    return form
-
-
-def run_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
-              meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor) -> tuple[str, str]:
-    """The (forward, backward) forms that `fused_lora_linear` runs for base_gemm here:
-    `base_gemm_forms`, with an "auto" forward settled by `timed_forward_form` (given kernel 1's S)."""
-    forward, backward = base_gemm_forms(base_gemm, x, weight, lora_b.shape[2])
-    if forward == "auto":
-        forward = timed_forward_form(x, weight, s, lora_b, meta, slots, token_segs)
-    return forward, backward
 
 
 def token_segments(meta: LoRAKernelMeta) -> torch.Tensor:
@@ -518,14 +448,14 @@ def rank_block(max_rank: int) -> int:
 # SHRINK_BLOCK_K columns per step, split over in_size until about SHRINK_PER_SM programs per SM,
 # column keys loaded from `column_keys`. H200,
 # bf16, rank 16, one adapter, m in {2048, 4096, 8192} x in in {4096, 5120, 8192}
-# (tmp_dev/shrink_sweep.py: GPU time, x rotated out of L2; two runs agreed within 2%): 0.82x the
-# unsplit autotuned kernel's time on average at dropout 0.1 (16.4 against 19.4-21.4 us at 4096 x
+# (GPU time, x rotated out of L2; two runs agreed within 2%): 0.82x the
+# one-split autotuned kernel's time on average at dropout 0.1 (16.4 against 19.4-21.4 us at 4096 x
 # 4096) and 0.87x at dropout 0 (11.7 against 13.1 us there; torch's x.sum() takes 14.3). 32-row
-# tiles at 4 warps (84 registers: ~6 programs resident per SM) beat 64 rows (1.08x the unsplit
+# tiles at 4 warps (84 registers: ~6 programs resident per SM) beat 64 rows (1.08x the one-split
 # kernel: half the resident warps for the dropout hash, which is instruction-bound) and 16 rows
 # (1.0x); 2 programs per SM, 4 stages, 64- or 256-column steps and 2 warps were slower or equal;
 # 6 programs per SM beat 4 by 2.5% with dropout there and lost 3.5% without, but on the H100
-# (session 16, benchmarks/kernels/lora_fused_train_tiles.py: GPU time, L2 flushed) 4 beat 6 at
+# (benchmarks/kernels/lora_fused_train_tiles.py: GPU time, L2 flushed) 4 beat 6 at
 # dropout 0.1 on all nine shapes (0.947-0.996x, 0.970x on average; 8 and 12 per SM took 1.21x and
 # 1.08x), so 4 it is, with or without dropout; without the key table, dropout 0.1 took 5% longer.
 # With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS instructions per element (the
@@ -628,12 +558,10 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     `DropoutWindows` and its group; slots and seed are then not read) each row's window's.
 
     On CUDA, in_size is split (`shrink_split_plan`) until about SHRINK_PER_SM programs per SM
-    (`per_sm`), or into `num_splits` chunks; partials are
-    summed in a fixed order by each row tile's last program (bitwise reproducible). On CPU (the
-    interpreter) the default is one split. num_splits=1 without block_m/block_k on CUDA is the
-    unsplit kernel as before: autotuned (SHRINK_CONFIG_SHAPES) up to rank 32. The keyword
-    arguments override tiles, splits, programs per SM, warps, stages and `key_table` (load the
-    dropout hash's column keys from `column_keys` rather than mixing them per tile; tuning)."""
+    (`per_sm`), or into `num_splits` chunks; partials are summed in a fixed order by each row
+    tile's last program (bitwise reproducible). On CPU (the interpreter) the default is one split.
+    The keyword arguments override tiles, splits, programs per SM, warps, stages and `key_table`
+    (load the dropout hash's column keys from `column_keys` rather than mixing them per tile)."""
     check_launchable(x, _lora_train_shrink_fwd_kernel)
     num_tokens, in_size = x.shape
     max_rank = lora_a.shape[1]
@@ -659,13 +587,6 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     key_table = key_table and has_dropout
     keys = column_keys(x.device, in_size) if key_table else s  # not read without
     flags = dict(HAS_DROPOUT=has_dropout, KEY_TABLE=key_table, ROW_WINDOWS=windows is not None)
-    if num_splits == 1 and block_m is None and block_k is None and cuda and max_rank <= 32:
-        # The unsplit kernel, autotuned (before split-K; kept for comparison).
-        grid = lambda c: (meta.num_segments, triton.cdiv(meta.max_seg_len, c["BLOCK_M"]))  # noqa: E731
-        _shrink_tuned[grid](x, lora_a, s, s, s, keys, *common, in_size, 1, num_windows, group,
-                            x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), 0,
-                            SPLIT=False, BLOCK_R=rank_block(max_rank), **flags)
-        return s
     if cuda:
         block_m = block_m or SHRINK_BLOCK_M
         block_k = block_k or SHRINK_BLOCK_K
@@ -695,107 +616,3 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
         num_stages=num_stages or SHRINK_NUM_STAGES,
     )
     return s
-
-
-def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
-                          meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor,
-                          *, base_gemm: str = "blas", blocks: tuple[int, int, int] | None = None,
-                          autotune: bool | None = None) -> torch.Tensor:
-    """Kernel 2: y [T, out] = x W^T + scaling[slot] * S B[slot]^T, one pass over y.
-
-    base_gemm "blas": the kernel writes the LoRA term (zero rows for tokens without an adapter)
-    and `addmm_` adds x W^T to it in torch's GEMM; "triton": the kernel runs the GEMM too. The
-    tiles are autotuned (TERM_CONFIG_SHAPES, FWD_CONFIG_SHAPES) when `autotune` (default: on
-    CUDA), else `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's
-    tests).
-    """
-    check_base_gemm(base_gemm)
-    check_launchable(x, _lora_train_linear_fwd_kernel)
-    num_tokens, in_size = x.shape
-    out_size, max_rank = lora_b.shape[1], lora_b.shape[2]
-    y = torch.empty(num_tokens, out_size, dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return y
-    if base_gemm == "tma":
-        from flexserve_kernels.lora.train.fused_tma import linear_fwd_tma
-
-        linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None if autotune else blocks)
-        return y
-    has_base = base_gemm == "triton"
-    args = (x, weight, s, lora_b, y, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-            slots.scalings, num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens),
-            x.stride(0), weight.stride(0), s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
-    if autotune if autotune is not None else x.device.type == "cuda" and blocks is None:
-        grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"]),)  # noqa: E731
-        tuned = _linear_fwd_tuned if has_base else _linear_term_tuned
-        tuned[grid](*args, HAS_BASE=has_base, BLOCK_R=rank_block(max_rank))
-    else:
-        block_m, block_n, block_k = blocks or (16, 32, 32)
-        grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
-        _lora_train_linear_fwd_kernel[grid](*args, HAS_BASE=has_base, BLOCK_M=block_m, BLOCK_N=block_n,
-                                            BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
-                                            num_warps=4, num_stages=3)
-    return y if has_base else y.addmm_(x, weight.t())
-
-
-class FusedLoRALinearFunction(torch.autograd.Function):
-    """y = x W^T + scaling * dropout(x) A^T B^T per token's adapter slot; W frozen.
-
-    Forward runs kernels 1-2 and keeps x and S; backward runs kernels 3-5 and returns dX, dA, dB.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed, base_gemm):
-        token_segs = token_segments(meta)
-        s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
-        fwd_gemm, ctx.base_gemm = run_forms(base_gemm, x, weight, s, lora_b, meta, slots, token_segs)
-        y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=fwd_gemm)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
-        ctx.meta, ctx.slots, ctx.seed = meta, slots, seed
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        # Imported here: the backward module imports this one's jit helpers.
-        from flexserve_kernels.lora.train.fused_bwd import (
-            lora_train_da_bwd,
-            lora_train_ds_db_bwd,
-            lora_train_dx_bwd,
-            lora_train_dx_term_da_bwd,
-        )
-
-        x, weight, lora_a, lora_b, s, token_segs = ctx.saved_tensors
-        meta, slots, seed = ctx.meta, ctx.slots, ctx.seed
-        dy = dy.contiguous()
-        ds, db = lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
-        dx = None
-        if ctx.needs_input_grad[0] and ctx.base_gemm == "blas":
-            # dX's LoRA term and dA in one pass over the [T, in] tiles; the GEMM adds dY W to it
-            term, da = lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, seed)
-            return term.addmm_(dy, weight), None, da, db, None, None, None, None
-        if ctx.needs_input_grad[0]:
-            dx = lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, seed, base_gemm=ctx.base_gemm)
-        da = lora_train_da_bwd(x, ds, lora_a, meta, slots, seed)
-        return dx, None, da, db, None, None, None, None
-
-
-def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                      meta: LoRAKernelMeta, slots: LoRATrainSlots, seed: int, *,
-                      base_gemm: str = "auto") -> torch.Tensor:
-    """Differentiable fused LoRA linear over x [..., in] (tokens flattened in order for meta).
-
-    weight [out, in] is frozen (ValueError if it requires grad); lora_a [slots, r_max, in] and
-    lora_b [slots, out, r_max] hold each slot's adapter zero-padded to r_max; seed in [0, 2**31)
-    fixes the dropout mask, regenerated in backward. base_gemm picks where the frozen GEMMs of
-    kernels 2 and 4 run ("blas": torch's GEMM with the LoRA term as its C operand; "triton"; "tma";
-    "auto": `base_gemm_forms`).
-    """
-    check_base_gemm(base_gemm, BASE_GEMMS + ("auto",))
-    if weight.requires_grad:
-        raise ValueError("the base weight must be frozen (requires_grad=False) for the fused LoRA linear")
-    if not 0 <= seed < 2**31:
-        raise ValueError(f"seed must be in [0, 2**31), got {seed}")
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    check_train_args(flat, weight, lora_a, lora_b, meta, slots)
-    y = FusedLoRALinearFunction.apply(flat, weight, lora_a, lora_b, meta, slots, seed, base_gemm)
-    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.shrink import check_launchable, target_programs
 from flexserve_kernels.lora.train.fused import (
     LoRATrainSlots,
-    check_base_gemm,
     dropout_keep,
     gemm_configs,
     grouped_tile,
@@ -37,8 +38,6 @@ from flexserve_kernels.lora.train.fused import (
     tile_segments,
     token_segments,
 )
-from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
-from flexserve_kernels.lora.serve.shrink import check_launchable, target_programs
 
 
 @triton.jit
@@ -365,13 +364,13 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     max_rank = lora_b.shape[2]
     if not meta.has_lora:
         return (torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=dy.device), torch.zeros_like(lora_b))
-    # H200, bf16, rank 16 (session 11's sweep of tiles, warps and programs per SM; GPU time of the
+    # H200, bf16, rank 16 (a sweep of tiles, warps and programs per SM; GPU time of the
     # kernel and its reductions): 128 x 256 at 8 warps took 19.1 us at 4096 x 4096 and 54.3 at
     # 8192 x 5120, against 24.1 and 59.6 for 64 x 128 at 4 warps, kept above rank 16.
     # (16-bit only: fp32 tiles of that size need 303 KB of shared memory, over the H200's 227 KB.)
     # Its 3 stages of 128 x 256 dY tiles take 192 KB of shared memory: one program fits an SM, so
     # its grid is sized for one program per SM. At two per SM (the smaller tiles' setting), 5120
-    # and 8192 columns ran 160-256 programs, a second wave. H100, rank 16, dropout 0.1 (session 16,
+    # and 8192 columns ran 160-256 programs, a second wave. H100, rank 16, dropout 0.1 (
     # benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed): one per SM took 0.905-0.989x the
     # time of the kernel and its sums there, the same at 4096 columns.
     wide = (dy.device.type == "cuda" and dy.dtype != torch.float32 and max_rank <= 16 and block_m is None
@@ -415,7 +414,7 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
     max_rank = lora_a.shape[1]
     if not meta.has_lora:
         return torch.zeros_like(lora_a)
-    # H200, bf16, rank 16 (session 11's sweep): 32 x 128 tiles at 4 warps and 4 programs per SM
+    # H200, bf16, rank 16 (a sweep): 32 x 128 tiles at 4 warps and 4 programs per SM
     # took 21.9 us at 4096 x 4096 and 53.1 at 8192 x 5120, against 25.9 and 88.6 for 64 x 128 at
     # 8 warps and 2 per SM; ranks above 32 keep 32 x 64 at 8 warps.
     block_m = block_m or (16 if x.device.type != "cuda" else 32)
@@ -448,7 +447,7 @@ MAX_TERM_DA_RANK = 64
 def term_da_tiles(max_rank: int) -> tuple[int, int, int]:
     """`lora_train_dx_term_da_bwd`'s (BLOCK_M, BLOCK_K, num_warps) on CUDA by rank.
 
-    H200, bf16, rank 16, dropout 0.1 (benchmarks/kernels/lora_dx_term_da.py, session 14): 16 x 128
+    H200, bf16, rank 16, dropout 0.1 (benchmarks/kernels/lora_dx_term_da.py): 16 x 128
     at 4 warps took 0.855x the two kernels' time on average over six shapes with a bf16 term and
     0.925x with the engine's fp32 term (32 x 128: 0.896x and 0.947x; 64-row tiles and more row
     chunks were slower). Ranks 17-64 keep sizes that compile without spills (ptxas, sm_90, triton
@@ -464,7 +463,7 @@ def term_da_chunks(meta: LoRAKernelMeta, in_size: int, block_k: int, device: tor
     16-bit term, dS in one 16-bit half) and that grid (segments x chunks x column tiles) still fits
     `per_sm` programs per SM, else 8. Its small tiles keep few bytes in flight per
     program, so programs resident on every SM are what hide the latency. H100, rank 16, dropout 0.1
-    (session 16, benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed), bf16 term: with 4096
+    (benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed), bf16 term: with 4096
     columns (32 tiles, 512 programs at 16 chunks) 0.908-0.958x the time of 8 chunks; with 5120 and
     8192, where 16 chunks make 640 and 1024 programs, 1.02-1.12x. The engine's form (fp32 term, dS
     in two halves: more registers, fewer programs resident) took 1.075x as long at 16 chunks
@@ -524,46 +523,6 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
     return term, da
 
 
-def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor,
-                      meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor, seed: int,
-                      *, base_gemm: str = "blas", blocks: tuple[int, int, int] | None = None,
-                      autotune: bool | None = None) -> torch.Tensor:
-    """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]) in one pass over dX; base_gemm as in
-    `lora_train_linear_fwd` ("blas": the kernel writes the LoRA term, `addmm_` adds dY W);
-    autotuned (DX_TERM_CONFIG_SHAPES, DX_CONFIG_SHAPES) when `autotune` (default: on CUDA), else
-    `blocks` = (BLOCK_M, BLOCK_N over in, BLOCK_K over out)."""
-    check_base_gemm(base_gemm)
-    check_launchable(dy, _lora_train_dx_bwd_kernel)
-    num_tokens, out_size = dy.shape
-    in_size = weight.shape[1]
-    max_rank = lora_a.shape[1]
-    dx = torch.empty(num_tokens, in_size, dtype=dy.dtype, device=dy.device)
-    if num_tokens == 0:
-        return dx
-    if base_gemm == "tma":
-        from flexserve_kernels.lora.train.fused_tma import dx_bwd_tma
-
-        dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None if autotune else blocks)
-        return dx
-    args = (dy, weight, ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-            num_tokens, in_size, out_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
-            dy.stride(0), weight.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
-    has_base = base_gemm == "triton"
-    if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
-        grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"]),)  # noqa: E731
-        tuned = _dx_bwd_tuned if has_base else _dx_term_tuned
-        tuned[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
-                    BLOCK_R=rank_block(max_rank))
-    else:
-        block_m, block_n, block_k = blocks or (16, 32, 32)
-        grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
-        _lora_train_dx_bwd_kernel[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
-                                        BLOCK_M=block_m,
-                                        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
-                                        num_warps=4, num_stages=3)
-    return dx if has_base else dx.addmm_(dy, weight)
-
-
 def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta, slots: LoRATrainSlots,
                        seed: int, *, out_dtype: torch.dtype = torch.float32, split_ds: bool = False,
                        blocks: tuple[int, int] | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -582,7 +541,7 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
         return term
     if not meta.has_lora:
         return term.zero_()
-    # H200, rank 16, fp32 term with dS split (session 13's sweep, now `benchmarks/kernels/lora_dx_term_da.py --term-tiles`):
+    # H200, rank 16, fp32 term with dS split (`benchmarks/kernels/lora_dx_term_da.py --term-tiles`):
     # 32 x 128 tiles at 4 warps took 30.8 us at 4096 x 4096 and 83.2 at 4096 x 14336 against 60.1
     # and 196 for 64 x 128 at 8 warps, which left one program per SM. The small tile spills above
     # rank 64 (ptxas, sm_90, triton 3.9), where 64 x 128 at 8 warps stays.

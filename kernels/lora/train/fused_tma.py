@@ -12,7 +12,7 @@ is the same LoRA code as the pointer forms, and the tile is written once through
 Kernel 2 splits the tiles of a last round that would leave SMs idle over K (`tail_plan`: a
 stream-K-style tail whose parts sum through fp32 partials, the last part to arrive in fixed
 order, no program waiting), which took 2048 x 5120 from 1.21x to 1.11x cuBLAS's time on an
-H200 (docs/benchmarks.md, session 21).
+H200 (docs/benchmarks.md).
 Compared with base_gemm="blas" (cuBLAS with the LoRA term as its C operand) this saves the term's
 write and read, [T, out] (kernel 2) and [T, in] (kernel 4) in 16 bits each; it only pays where
 this GEMM keeps up with cuBLAS (docs/benchmarks.md says where it did).
@@ -27,10 +27,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flexserve_kernels.lora.train.fused import (add_lora_fwd_term, grouped_tile, kernel_seed, launch_scratch,
-                                                rank_block)
+from flexserve_kernels.lora.train.fused import (
+    add_lora_fwd_term,
+    grouped_tile,
+    kernel_seed,
+    launch_scratch,
+    rank_block,
+)
 from flexserve_kernels.lora.train.fused_bwd import add_lora_dx_term
-
 
 # Kernel 2's tail split (`tail_plan`): at most MAX_TAIL_SPLIT K parts per tail tile, each at least
 # MIN_PART_K_BLOCKS steps of BLOCK_K (the launchers' default; the interpreter's tests take 1, to
@@ -268,7 +272,7 @@ def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, s
 # was dropped. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the hash
 # of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200, triton 3.6), and in two
 # parts it still spills 304 bytes. Kernel 2's first two candidates store in two halves, which
-# leaves room for a fourth stage (the best at 4096 x 4096 on an H100, session 19). Triton 3.6's
+# leaves room for a fourth stage (the best at 4096 x 4096 on an H100). Triton 3.6's
 # Hopper warp specialization fails to compile at 4 warps, so only 8-warp candidates take it. The
 # last candidate of each is the one fp32 operands fit (`_fits_shared_memory`).
 FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 4, True, 2), (128, 256, 64, 8, 4, False, 2),

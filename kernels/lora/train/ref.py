@@ -10,42 +10,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Hash constants (all below 2**31, so a 32-bit value times one fits in int64 without overflow).
-HASH_TOKEN = 0x6A09E667
-HASH_COLUMN = 0x3C6EF372 | 1
-HASH_MIX1 = 0x7FEB352D
-HASH_MIX2 = 0x2C1B3C6D
-_MASK32 = 0xFFFFFFFF
-
-
-def mix32_ref(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (xor-shift, multiply, twice) of int64 tensors in [0, 2**32)."""
-    h = h ^ (h >> 16)
-    h = (h * HASH_MIX1) & _MASK32
-    h = h ^ (h >> 15)
-    h = (h * HASH_MIX2) & _MASK32
-    return h ^ (h >> 16)
-
-
-def row_seed(seed: int, first_row: int) -> int:
-    """The seed under which rows 0, 1, ... hash as rows first_row, first_row + 1, ... hash under
-    `seed` (a token's key mixes seed + row * HASH_TOKEN mod 2**32): how a kernel given one window
-    of a sequence regenerates the sequence's mask at the window's positions."""
-    return (seed + first_row * HASH_TOKEN) & _MASK32
+from flexserve_kernels.lora.dropout_hash import (
+    HASH_COLUMN,
+    HASH_MIX1,
+    HASH_TOKEN,
+    MASK32,
+    mix32_ref,
+    row_seed,
+)
+from flexserve_kernels.lora.serve.ref import lora_shrink_ref
 
 
 def dropout_keep_ref(seed: int, num_tokens: int, num_cols: int, p: float,
                      device: torch.device | str = "cpu") -> torch.Tensor:
     """[num_tokens, num_cols] bool: the elements dropout with probability p keeps, as the kernels
-    regenerate them (seed in [0, 2**32)); `row_seed` shifts the rows. Each token and each column gets a fully mixed 32-bit key (of the seed and the
+    regenerate them (seed in [0, 2**32)); `row_seed` shifts the rows. Each token and each column
+    gets a fully mixed 32-bit key (of the seed and the
     token; of the column); an element's hash is one multiply and xor-shift of their xor, and its
     top 24 bits are the uniform. The per-element work (6 integer ops) is what the kernels pay for
     every element they drop out, three times a training step; the keys cost one vector each."""
     tokens = torch.arange(num_tokens, dtype=torch.int64, device=device)[:, None]
     cols = torch.arange(num_cols, dtype=torch.int64, device=device)[None, :]
-    row_keys = mix32_ref((seed + tokens * HASH_TOKEN) & _MASK32)
-    col_keys = mix32_ref((cols * HASH_COLUMN) & _MASK32)
-    h = ((row_keys ^ col_keys) * HASH_MIX1) & _MASK32
+    row_keys = mix32_ref((seed + tokens * HASH_TOKEN) & MASK32)
+    col_keys = mix32_ref((cols * HASH_COLUMN) & MASK32)
+    h = ((row_keys ^ col_keys) * HASH_MIX1) & MASK32
     h = h ^ (h >> 16)
     uniform = (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
     return uniform >= p
@@ -103,9 +91,6 @@ def lora_window_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, meta, windows,
     for (first, count), (shifted, p_bits) in zip(windows.bounds.tolist(), table):
         p = float(torch.tensor(p_bits, dtype=torch.int32).view(torch.float32))
         if p > 0 and count > 0:
-            keep = dropout_keep_ref(row_seed(shifted & _MASK32, first), count, x.shape[1], p, x.device)
+            keep = dropout_keep_ref(row_seed(shifted & MASK32, first), count, x.shape[1], p, x.device)
             xs[first:first + count] = xs[first:first + count] * keep / (1.0 - p)
-    # Here, not at the top: lora_ref imports lora_meta, which imports this module.
-    from flexserve_kernels.lora.serve.ref import lora_shrink_ref
-
     return lora_shrink_ref(xs, lora_a, meta)
