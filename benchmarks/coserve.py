@@ -45,8 +45,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
 from benchmarks import harness  # noqa: E402
 from benchmarks.harness import gpu_slug  # noqa: E402,F401  (file names; tests use it from here)
-from flexserve.entrypoints.bench_serve import parse_bench_serve_args, run_benchmark
-from flexserve.entrypoints.bench_workload import PROMPT_WORDS, random_text
+from flexserve.bench.serve import parse_bench_serve_args, run_benchmark
+from flexserve.bench.workload import PROMPT_WORDS, random_text
 
 DEFAULT_POLICIES = ["coserve", "temporal-64", "temporal-128", "dynamic-temporal", "spatial",
                     "inference-only", "finetune-only"]
@@ -73,7 +73,7 @@ def server_policy_args(policy: str) -> list[str]:
 
 def supported_server_flags() -> set[str]:
     """The long options `flexserve serve --help` lists (the server may predate some)."""
-    text = subprocess.run([sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--help"],
+    text = subprocess.run([sys.executable, "-m", "flexserve.entrypoints.cli.main", "serve", "--help"],
                           capture_output=True, text=True, check=True).stdout
     return set(re.findall(r"(--[a-z][a-z0-9-]*)", text))
 
@@ -264,7 +264,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     write_finetune_file(finetune_file, args.finetune_num_sequences, *args.finetune_lengths,
                         seed=args.seed)
     max_len = max(args.max_model_len, max(args.finetune_lengths))
-    common = [sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--model", args.model,
+    common = [sys.executable, "-m", "flexserve.entrypoints.cli.main", "serve", "--model", args.model,
               "--load-format", "dummy", "--enable-lora", "--max-lora-rank", "16",
               "--state-dir", work_dir, "--max-model-len", str(max_len),
               "--max-finetune-len", str(max(args.finetune_lengths)),

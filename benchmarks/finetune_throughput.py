@@ -89,7 +89,7 @@ def main() -> None:
     from flexserve import LLM
     from flexserve.finetune.data import TrainingData, TrainingExample
     from flexserve.finetune.hyperparameters import Hyperparameters
-    from flexserve.worker.backward_ops import window_attention_mode
+    from flexserve.worker.finetune.backward_ops import window_attention_mode
 
     from flexserve.worker import activation_store, layer_backward
 

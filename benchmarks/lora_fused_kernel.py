@@ -37,10 +37,10 @@ def bench_layer_graph(
 ) -> dict:
     """Microseconds per layer of each path in PATHS, replayed from a CUDA graph of num_layers layers
     (smoke: run once on CPU, untimed). Decode rows use slots 0, 1, ..., num_slots - 1 in turn."""
-    from flexserve_kernels.lora_expand import lora_expand_bgmv
-    from flexserve_kernels.lora_fused import lora_fused_bgmv
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
-    from flexserve_kernels.lora_shrink import lora_shrink_bgmv
+    from flexserve_kernels.lora.serve.expand import lora_expand_bgmv
+    from flexserve_kernels.lora.serve.fused import lora_fused_bgmv
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.shrink import lora_shrink_bgmv
 
     device = torch.device("cpu" if smoke else "cuda")
     launches = SMOKE_LAUNCHES if smoke else LLAMA8B_LAUNCHES

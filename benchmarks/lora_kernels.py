@@ -138,8 +138,8 @@ def main() -> None:
 def measure(kind: str, tokens: int, num_adapters: int, shape: tuple[int, int], rank: int, dtype: torch.dtype,
             device: torch.device, timers) -> dict:
     """Times of one (batch, adapters, projection shape): ours auto/sgmv/bgmv and torch, in us."""
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
-    from flexserve_kernels.lora_ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
 
     device_us, wall_us = timers
     in_size, out_size = shape

@@ -20,7 +20,7 @@ URL="http://127.0.0.1:$PORT"
 
 # Short generations (--max-model-len) keep hypothesis' large max_tokens values quick; the
 # request timeout bounds what is left (408 is a documented answer).
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" $PY -m flexserve.entrypoints.cli serve \
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" $PY -m flexserve.entrypoints.cli.main serve \
   --host 127.0.0.1 --port "$PORT" --api-key "$KEY" --state-dir "$WORK/state" \
   --enable-lora --max-loras 2 --max-lora-rank 8 --max-model-len 128 --kv-cache-gib 0.1 \
   --max-num-seqs 8 --max-queue-len 64 --request-timeout-s 60 --max-upload-mb 1 \

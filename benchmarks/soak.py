@@ -444,7 +444,7 @@ def serve(model_dir: str, state_dir: str, config: SoakConfig, log_path: str,
     url = f"http://127.0.0.1:{port}"
     log = open(log_path, "ab")
     process = subprocess.Popen(
-        [sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--model", model_dir,
+        [sys.executable, "-m", "flexserve.entrypoints.cli.main", "serve", "--model", model_dir,
          "--served-model-name", MODEL, "--state-dir", state_dir, "--port", str(port),
          "--max-num-seqs", str(config.max_num_seqs), "--max-queue-len",
          str(config.max_queue_len), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "4",

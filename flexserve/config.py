@@ -14,11 +14,6 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 
 
-def flexserve_home() -> str:
-    """The state directory for converted models, profiles and jobs (`$FLEXSERVE_HOME`)."""
-    return os.path.expanduser(os.environ.get("FLEXSERVE_HOME", "~/.cache/flexserve"))
-
-
 def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -159,7 +154,7 @@ class FinetuneConfig:
     # to remat chains, lowest first, until it fits (`flexserve.peft.activation_budget`); None: off
     activation_budget_gib: float | None = None
     # under a budget, put every other layer in pinned host memory before any goes to remat
-    # chains (`flexserve.worker.activation_offload`)
+    # chains (`flexserve.worker.finetune.activation_offload`)
     activation_offload: bool = False
 
     def __post_init__(self) -> None:

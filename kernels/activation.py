@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flexserve_kernels.lora_expand_folded import folded_lora_delta
-from flexserve_kernels.lora_folded import FoldedLoRA
+from flexserve_kernels.lora.serve.expand_folded import folded_lora_delta
+from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

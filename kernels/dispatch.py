@@ -1,9 +1,9 @@
 """Which implementation a layer runs: the Triton kernels or the torch references.
 
-Triton on CUDA (unless FLEXSERVE_KERNELS=torch asks for the torch path, e.g. to compare the two on
-one GPU); on CPU only when TRITON_INTERPRET=1 asks for Triton's interpreter (the tests), since a
-CPU server must work without a compiler. Read at call time, so a test can switch per process
-(`monkeypatch.setenv`, `os.environ[...] = ...`): `use_triton` caches its answer per (device,
+Triton on CUDA (unless FLEXSERVE_KERNELS=torch asks for the torch path); on CPU only when
+TRITON_INTERPRET=1 asks for Triton's interpreter (the tests), since a CPU server must work without
+a compiler. The variables' names and parsing live in `flexserve.envs`. Read at call time, so a
+test can switch per process (`monkeypatch.setenv`, `os.environ[...] = ...`): `use_triton` caches its answer per (device,
 TRITON_INTERPRET, FLEXSERVE_KERNELS) and looks the two variables up on every call, in the mapping
 `os.environ` itself reads and writes, without its per-lookup str encoding and decoding (a step
 with a fine-tuning window asks ~600 times on a 32-layer model: 2.8 us per call read through
@@ -16,9 +16,10 @@ import os
 
 import torch
 
-_BACKENDS = ("auto", "torch")
-_INTERPRET = "TRITON_INTERPRET"
-_BACKEND = "FLEXSERVE_KERNELS"
+from flexserve import envs
+
+_INTERPRET = envs.TRITON_INTERPRET
+_BACKEND = envs.KERNELS
 # os.environ's backing dict (encoded keys and values): every os.environ write, monkeypatch's
 # included, goes through it, so reading it sees what os.environ.get would. Without it (another
 # Python), the public mapping is read.
@@ -27,19 +28,6 @@ _ENV_KEYS = ((os.environ.encodekey(_INTERPRET), os.environ.encodekey(_BACKEND))
              if _ENV_DATA is not None and hasattr(os.environ, "encodekey") else None)
 _MAX_CACHED = 64
 _cache: dict[tuple, bool] = {}
-
-
-def interpret_requested() -> bool:
-    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter (parsed as Triton does)."""
-    return os.environ.get(_INTERPRET, "0").lower() in ("1", "true", "on", "yes", "y")
-
-
-def kernels_backend() -> str:
-    """FLEXSERVE_KERNELS: auto (default) or torch; ValueError for anything else."""
-    backend = os.environ.get(_BACKEND, "auto").lower()
-    if backend not in _BACKENDS:
-        raise ValueError(f"FLEXSERVE_KERNELS must be one of {_BACKENDS}, got {backend!r}")
-    return backend
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -59,8 +47,8 @@ def use_triton(device: torch.device | str) -> bool:
 
 def _use_triton(device: torch.device | str) -> bool:
     device = torch.device(device)
-    if kernels_backend() == "torch":
+    if envs.kernels_backend() == "torch":
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and interpret_requested()
+    return device.type == "cpu" and envs.triton_interpret()

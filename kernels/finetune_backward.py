@@ -1,4 +1,4 @@
-"""The elementwise parts of the fine-tuning backward (flexserve.worker.layer_backward), fused.
+"""The elementwise parts of the fine-tuning backward (flexserve.worker.finetune.layer_backward), fused.
 
 Each kernel reads its inputs once in whatever dtype they are held (fp32, or the model's dtype for
 activations and for gradients that are exact products of a model-dtype GEMM), does the fp32 math

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_ROWS = 4  # the most rows it takes; on an H200 it beats cuBLAS at one row only (session 6)
+MAX_ROWS = 4  # the most rows it takes; on an H200 it beats cuBLAS at one row only
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _gemv_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-# From a sweep of 184 configs at one row on an H200 (docs/benchmarks.md, session 6): 8 x 1024
+# From a sweep of 184 configs at one row on an H200 (docs/benchmarks.md): 8 x 1024
 # with 4 warps is within 2% of the best on o, down, gate/up and lm_head; q/k/v's best is smaller
 # tiles. num_stages changed nothing (the loads feed no tl.dot, so nothing is pipelined).
 _DEFAULT_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)

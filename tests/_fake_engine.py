@@ -10,7 +10,8 @@ import time
 
 from flexserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.engine.llm_engine import LLMEngine, ModelInfo
+from flexserve.engine.llm_engine import LLMEngine
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import BatchPlan, StepResult, TokenLogprobs
 
 MODEL = "fake"

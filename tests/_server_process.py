@@ -1,4 +1,4 @@
-"""`python -m flexserve.entrypoints.cli serve` in a subprocess for tests that kill, signal or
+"""`python -m flexserve.entrypoints.cli.main serve` in a subprocess for tests that kill, signal or
 restart the server; its log goes to a file the assertion messages name."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class ServerProcess:
         self.log_path = log_path
         self.log = open(log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flexserve.entrypoints.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "flexserve.entrypoints.cli.main", "serve", "--port", str(self.port),
              *serve_args],
             stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -95,8 +95,8 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture
 def fresh_loader():
     """Forget the CUDA BGMV extension's earlier load attempts and logged reasons
-    (`flexserve_kernels.cuda_ext`), so a test sees its own."""
-    from flexserve_kernels import cuda_ext
+    (`flexserve_kernels.lora.serve.cuda_ext`), so a test sees its own."""
+    from flexserve_kernels.lora.serve import cuda_ext
 
     cuda_ext._load.cache_clear()
     cuda_ext._log_once.cache_clear()

@@ -10,7 +10,7 @@ import torch
 
 from flexserve import LLM
 from flexserve.config import FinetuneConfig
-from flexserve.entrypoints.finetune_plan import main as finetune_plan_main
+from flexserve.entrypoints.cli.finetune_plan import main as finetune_plan_main
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.model.registry import resolve_model
@@ -96,7 +96,8 @@ def test_impossible_budgets_and_bad_arguments_are_refused(llama8b):
 
 
 def test_config_and_serve_option():
-    from flexserve.entrypoints.cli import build_parser, engine_config_from_args
+    from flexserve.entrypoints.cli.args import engine_config_from_args
+    from flexserve.entrypoints.cli.main import build_parser
 
     assert FinetuneConfig().activation_budget_gib is None
     assert FinetuneConfig(activation_budget_gib=5.5).activation_budget_gib == 5.5
@@ -230,7 +231,8 @@ def test_offload_takes_every_other_layer_before_any_goes_lean(llama8b):
 
 
 def test_offload_options(capsys):
-    from flexserve.entrypoints.cli import build_parser, engine_config_from_args
+    from flexserve.entrypoints.cli.args import engine_config_from_args
+    from flexserve.entrypoints.cli.main import build_parser
 
     assert FinetuneConfig().activation_offload is False
     args = build_parser().parse_args(["serve", "--finetune-activation-budget", "6.6",

@@ -1,4 +1,4 @@
-"""Offloaded layers of the activation store (`flexserve.worker.activation_offload`): what the
+"""Offloaded layers of the activation store (`flexserve.worker.finetune.activation_offload`): what the
 backward reads through the ring is exactly what the forward wrote, for any window split and
 slot reuse, on the CPU (synchronous copies) and on CUDA (side-stream copies, with the forward's
 tensors overwritten right after they were written); the device bytes the store reports.
@@ -16,7 +16,7 @@ import torch
 from flexserve.peft.activation_budget import NUM_SLOTS
 from flexserve.peft.graph_pruning import plan_pruning
 from flexserve.peft.layer_graph import build_layer_graph
-from flexserve.worker.activation_store import ActivationStore, dropout_keep_mask
+from flexserve.worker.finetune.activation_store import ActivationStore, dropout_keep_mask
 
 NUM_LAYERS, MAX_LEN = 6, 37
 

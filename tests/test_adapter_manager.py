@@ -17,8 +17,9 @@ from flexserve.engine.adapter_manager import (
     AdapterManager,
     AdapterNotFoundError,
 )
-from flexserve.engine.llm_engine import LLMEngine, ModelInfo
+from flexserve.engine.llm_engine import LLMEngine
 from flexserve.engine.lora_request import LoRARequest
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
 from flexserve.engine.scheduler import Scheduler

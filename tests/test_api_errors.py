@@ -12,9 +12,11 @@ import pytest
 
 from flexserve.config import CacheConfig, EngineConfig, ModelConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.engine.llm_engine import LLMEngine, ModelInfo
+from flexserve.engine.llm_engine import LLMEngine
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import BatchPlan, StepResult, TokenLogprobs
-from flexserve.entrypoints.api_server import ServerThread, build_app
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "smollm2"
 API_KEY = "sk-test-key"
@@ -103,7 +105,7 @@ CASES = [
 def server(smollm2_dir):
     config = EngineConfig(model=ModelConfig(model=smollm2_dir, max_model_len=MAX_MODEL_LEN),
                           cache=CacheConfig(kv_cache_gib=0.25))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     app = build_app(engine, served_model_name=MODEL, api_key=API_KEY,
                     max_request_body_bytes=MAX_BODY)
     thread = ServerThread(app)

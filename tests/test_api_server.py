@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flexserve import LLM, SamplingParams
 from flexserve.config import CacheConfig, EngineConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.detokenizer import decode_token
-from flexserve.entrypoints.api_server import ServerThread, build_app
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 1024
@@ -30,7 +30,7 @@ KV_CACHE_GIB = 0.25
 def server(smollm2_dir):
     config = EngineConfig(model=ModelConfig(model=smollm2_dir, max_model_len=MAX_MODEL_LEN),
                           cache=CacheConfig(kv_cache_gib=KV_CACHE_GIB))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name=MODEL))
     url = thread.start()
     yield SimpleNamespace(url=url, engine=engine)
@@ -293,7 +293,8 @@ def test_client_gone_before_a_non_streaming_answer_aborts_it(server):
 
 
 def test_serve_options_build_the_engine_config():
-    from flexserve.entrypoints.cli import build_parser, engine_config_from_args
+    from flexserve.entrypoints.cli.args import engine_config_from_args
+    from flexserve.entrypoints.cli.main import build_parser
 
     args = build_parser().parse_args([
         "serve", "--model", "some-dir", "--max-model-len", "512", "--block-size", "32",

@@ -15,7 +15,8 @@ import pytest
 
 from flexserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from flexserve.engine.llm_engine import LLMEngine, ModelInfo
+from flexserve.engine.llm_engine import LLMEngine
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.serving_stats import IterationStats, LoggingStatLogger
 from flexserve.sampling_params import SamplingParams

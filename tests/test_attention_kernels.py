@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from _triton_interpret import (
     import_kernels,
     interpreter_hooks,
@@ -29,9 +30,9 @@ from _triton_interpret import (
 )
 
 _KERNEL_MODULES = (
-    "flexserve_kernels.decode_attention",  # before paged_attention, which imports from it
-    "flexserve_kernels.paged_attention",
-    "flexserve_kernels.kv_cache_write",
+    "flexserve_kernels.attention.decode",  # before paged_attention, which imports from it
+    "flexserve_kernels.attention.paged",
+    "flexserve_kernels.attention.kv_cache_write",
 )
 
 
@@ -191,7 +192,7 @@ def test_tile_map_grid_with_padding_rows(case_id):
     # The CUDA-graph form: rows padded with empty ones (query length 0, seq_len 0) and a tile map
     # of fixed length, longer than the tiles, covering the rows with several tokens; one-token
     # rows go to the decode kernel. Every real token must be written and match the reference.
-    from flexserve_kernels.lora_meta import segment_tile_map
+    from flexserve_kernels.lora.serve.meta import segment_tile_map
 
     batch = make_batch(*PREFILL_CASES[case_id], seed=4)
     expected = batch.reference()

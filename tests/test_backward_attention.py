@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexserve.worker import backward_ops
-from flexserve.worker.backward_ops import window_attention
+from flexserve.worker.finetune import backward_ops
+from flexserve.worker.finetune.backward_ops import window_attention
 from test_window_attention import autograd_nodes
 
 

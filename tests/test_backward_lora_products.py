@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexserve.worker.backward_ops import addmm_fp32, mm_fp32, split_bf16
+from flexserve.worker.finetune.backward_ops import addmm_fp32, mm_fp32, split_bf16
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

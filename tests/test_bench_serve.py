@@ -14,18 +14,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from flexserve.config import CacheConfig, EngineConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.bench_finetune import FinetuneSample, finetune_tokens_per_s
-from flexserve.entrypoints.bench_metrics import (
+from flexserve.bench.finetune import FinetuneSample, finetune_tokens_per_s
+from flexserve.bench.metrics import (
     RequestRecord,
     aggregate_metrics,
     format_report,
     percentile,
 )
-from flexserve.entrypoints.bench_serve import parse_bench_serve_args, run_benchmark
-from flexserve.entrypoints.bench_workload import (
+from flexserve.bench.serve import parse_bench_serve_args, run_benchmark
+from flexserve.bench.workload import (
     MAX_SAMPLED_INPUT_LEN,
     MIN_SAMPLED_LEN,
     PROMPT_WORDS,
@@ -35,6 +32,9 @@ from flexserve.entrypoints.bench_workload import (
     load_jsonl_requests,
     sharegpt_like_lengths,
 )
+from flexserve.config import CacheConfig, EngineConfig, ModelConfig
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
 
 def take(iterator, n: int) -> list:
@@ -233,7 +233,7 @@ def tiny_server(tiny_config, tiny_checkpoint):
     tokenizer.save_pretrained(path)
     config = EngineConfig(model=ModelConfig(model=path, max_model_len=512),
                           cache=CacheConfig(kv_cache_gib=0.01))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name="tiny"))
     url = thread.start()
     yield url, tokenizer
@@ -471,7 +471,7 @@ def test_missing_finetune_file_is_a_value_error(fake_server, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_finetune_server(tiny_config, tiny_checkpoint, tmp_path_factory):
     from flexserve.config import LoRAConfig
-    from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
+    from flexserve.finetune.service import FinetuneServiceConfig
 
     from _tokenizer import tiny_byte_level_tokenizer
 
@@ -480,7 +480,7 @@ def tiny_finetune_server(tiny_config, tiny_checkpoint, tmp_path_factory):
     config = EngineConfig(model=ModelConfig(model=path, max_model_len=256),
                           cache=CacheConfig(kv_cache_gib=0.01),
                           lora=LoRAConfig(max_loras=2, max_lora_rank=8))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     state_dir = str(tmp_path_factory.mktemp("finetune-state"))
     thread = ServerThread(build_app(engine, served_model_name="tiny",
                                     finetune=FinetuneServiceConfig(state_dir=state_dir)))
@@ -585,7 +585,7 @@ def test_coserve_word_tokenizer_makes_one_token_per_word(coserve, tiny_config, t
     assert len(lengths) == 20 and min(lengths) >= 30 and max(lengths) <= 60
     config = EngineConfig(model=ModelConfig(model=path, tokenizer=tokenizer_dir, max_model_len=256),
                           cache=CacheConfig(kv_cache_gib=0.01))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name="tiny"))
     url = thread.start()
     try:

@@ -19,7 +19,7 @@ from flexserve.model.registry import resolve_model
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import plan_pruning
 from flexserve.peft.layer_graph import build_layer_graph
-from flexserve.worker.activation_store import (
+from flexserve.worker.finetune.activation_store import (
     ActivationStore,
     FinetuneCapture,
     apply_lora_dropout,
@@ -27,7 +27,7 @@ from flexserve.worker.activation_store import (
 )
 from flexserve.worker.lora_manager import attach_lora_linears
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 BLOCK_SIZE = 4
 MAX_LORAS, MAX_RANK = 3, 8
@@ -172,7 +172,7 @@ def test_two_windows_with_different_plans_get_exactly_their_rows(tiny):
     capture = RecordingCapture()
     run_step(model, hf_config, stores, capture)
     num_checked = 0
-    for index, (n, start, slot, job) in enumerate(ROWS):
+    for index, (n, start, _slot, job) in enumerate(ROWS):
         if job is None:
             continue
         store, rows = stores[job], window_rows(index)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from _tokenizer import smollm2_tokenizer, tiny_byte_level_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flexserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode_token
+
+from _tokenizer import smollm2_tokenizer, tiny_byte_level_tokenizer
 
 TEXTS = [
     "Hello, world!",

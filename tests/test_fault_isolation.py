@@ -23,9 +23,11 @@ import torch
 from flexserve import LLM, SamplingParams
 from flexserve.engine.finetune_scheduler import FinetuneJobStatus
 from flexserve.engine.output_processor import OutputProcessor
-from flexserve.entrypoints.api_server import ServerThread, build_app
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
+
 from _fake_engine import MODEL, FakeExecutor, fake_engine, wait_until
 
 PROMPT_IDS = [3, 17, 42, 7, 99, 12]
@@ -180,13 +182,12 @@ JOB = dict(hyperparameters={"n_epochs": 3, "batch_size": 1}, seed=3,
 
 def test_over_http_a_nan_job_fails_alone_and_health_says_degraded(smollm2_dir, tmp_path):
     from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
-    from flexserve.engine.async_engine import AsyncLLMEngine
-    from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
+    from flexserve.finetune.service import FinetuneServiceConfig
 
     config = EngineConfig(model=ModelConfig(model=smollm2_dir, max_model_len=128),
                           cache=CacheConfig(kv_cache_gib=0.05),
                           lora=LoRAConfig(max_loras=3, max_lora_rank=4))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     app = build_app(engine, served_model_name="smollm2", finetune=FinetuneServiceConfig(
         state_dir=str(tmp_path), max_concurrent_jobs=2, checkpoint_every_steps=100))
     thread = ServerThread(app)

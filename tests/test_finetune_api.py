@@ -16,9 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
+from flexserve.finetune.service import FinetuneServiceConfig
 
 MODEL = "smollm2"
 MAX_UPLOAD_BYTES = 4096
@@ -51,7 +51,7 @@ def server(smollm2_dir, tmp_path_factory):
     # Client-named adapters must come from another directory: the server's own checkpoints are
     # served all the same.
     allowed = str(tmp_path_factory.mktemp("client-adapters"))
-    engine = AsyncLLMEngine.from_config(engine_config(smollm2_dir, allowed_adapter_dir=allowed),
+    engine = build_async_engine(engine_config(smollm2_dir, allowed_adapter_dir=allowed),
                                         log_stats=False)
     state_dir = str(tmp_path_factory.mktemp("state"))
     app = build_app(engine, served_model_name=MODEL, finetune=FinetuneServiceConfig(
@@ -338,7 +338,7 @@ def test_openapi_lists_the_fine_tuning_routes(server):
 
 
 def test_without_lora_a_job_is_400_naming_enable_lora(smollm2_dir, tmp_path):
-    engine = AsyncLLMEngine.from_config(engine_config(smollm2_dir, lora=False), log_stats=False)
+    engine = build_async_engine(engine_config(smollm2_dir, lora=False), log_stats=False)
     app = build_app(engine, served_model_name=MODEL,
                     finetune=FinetuneServiceConfig(state_dir=str(tmp_path)))
     thread = ServerThread(app)

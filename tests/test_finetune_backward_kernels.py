@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -29,8 +30,8 @@ from _triton_interpret import (
 (fb,) = import_kernels(("flexserve_kernels.finetune_backward",),
                        interpret=not torch.cuda.is_available())
 
-from flexserve.worker import layer_backward  # noqa: E402
-from flexserve.worker.backward_gradients import WindowGradients  # noqa: E402
+from flexserve.worker.finetune import layer_backward  # noqa: E402
+from flexserve.worker.finetune.backward_gradients import WindowGradients  # noqa: E402
 
 INTERPRETED = is_interpreted(fb._silu_mul_bwd_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -231,14 +232,13 @@ def backward_linear(model, layer: int, target: str):
 def sequence_gradients(path, dtype, targets, dropout, plan_kind, fused, monkeypatch):
     """LoRA gradients of one sequence's layer-wise backward (forward windows 7 + 12, backward
     windows [13, 19), [4, 13), [0, 4) per layer) from a fixed top-layer gradient."""
-    from test_layer_backward import DROPOUT_SEED, JOB_SLOT, forward_windows, make_plan
-
     from flexserve.config import ModelConfig
     from flexserve.model.loader import load_model
     from flexserve.model.registry import resolve_model
     from flexserve.peft.layer_graph import build_layer_graph
-    from flexserve.worker.activation_store import ActivationStore
+    from flexserve.worker.finetune.activation_store import ActivationStore
     from flexserve.worker.lora_manager import attach_lora_linears
+    from test_layer_backward import DROPOUT_SEED, JOB_SLOT, forward_windows, make_plan
 
     # The model's forward on its torch path; only the backward's dispatch is switched.
     monkeypatch.setenv("FLEXSERVE_KERNELS", "torch")

@@ -32,11 +32,13 @@ from transformers import AutoConfig
 from flexserve import LLM
 from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
+from flexserve.finetune.service import FinetuneServiceConfig
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.lora import LoRAAdapter
 from flexserve.peft.peft_io import ADAPTER_WEIGHTS_NAME, save_peft_adapter
+
 from _tokenizer import tiny_byte_level_tokenizer
 
 MODEL = "tiny"
@@ -93,7 +95,7 @@ def server(model_dir, tmp_path_factory):
                           cache=CacheConfig(kv_cache_gib=0.01),
                           lora=LoRAConfig(max_loras=3, max_lora_rank=4),
                           coserve=CoserveConfig(slo_tpot_ms=None))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     jobs_per_iteration = JobsPerIteration()
     engine.add_stat_logger(jobs_per_iteration)
     state_dir = str(tmp_path_factory.mktemp("state"))

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from _tokenizer import smollm2_tokenizer, tiny_byte_level_tokenizer
 from flexserve.finetune import (
     TrainingExample,
     TruncationEvent,
@@ -19,6 +18,8 @@ from flexserve.finetune import (
     num_training_steps,
     plan_training_steps,
 )
+
+from _tokenizer import smollm2_tokenizer, tiny_byte_level_tokenizer
 
 # SmolLM2 ids used below: <|im_start|> 1, <|im_end|> 2 (= eos), "\n" 198, "Hello" 19556,
 # " world" 905, "!" 17.

@@ -9,8 +9,9 @@ gradient is near zero, so the fp32 HF loop itself is 8.6e-4 off its fp64 run in 
 case (5.6e-5 with clipping; relative error of the weight change over all adapter tensors,
 measured 2026-11-21), while flexserve (fp32) is 2.7e-4 and 9.2e-6 off it. The bound: flexserve's
 error <= max(1e-4, the fp32 HF loop's), i.e. within 1e-4 wherever fp32 training can be, and never
-worse than ordinary fp32 training; each tensor alone within 1e-2. Also: inference rows sharing iterations with fine-tuning rows give the tokens
-inference alone gives; every fine-tuning KV block is free after the job; bad input is refused.
+worse than ordinary fp32 training; each tensor alone within 1e-2. Also: inference rows sharing
+iterations with fine-tuning rows give the tokens inference alone gives; every fine-tuning KV block
+is free after the job; bad input is refused.
 """
 
 from __future__ import annotations

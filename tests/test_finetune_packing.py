@@ -22,12 +22,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_training import train_hf_peft
-
 from flexserve import LLM, SamplingParams
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.steps import pack_sequences
+
+from _hf_training import train_hf_peft
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 LENGTHS = [5, 9, 3, 12, 7, 4, 6, 11, 8, 3, 10, 5]  # two steps of six short examples

@@ -14,9 +14,9 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from _server_process import ServerProcess
-
 from flexserve.engine.latency_model import IterationShape, LatencyModel
+
+from _server_process import ServerProcess
 
 MODEL = "smollm2"
 FACTS = [

@@ -15,10 +15,11 @@ import openai
 import pytest
 
 from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.auth import APIKeyTable
-from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
+from flexserve.entrypoints.openai.auth import APIKeyTable
+from flexserve.finetune.service import FinetuneServiceConfig
+
 from _tokenizer import tiny_byte_level_tokenizer
 
 MODEL = "tiny"
@@ -45,7 +46,7 @@ def start_server(model_dir: str, state_dir: str, api_keys: APIKeyTable | None):
                           cache=CacheConfig(kv_cache_gib=0.01),
                           lora=LoRAConfig(max_loras=2, max_lora_rank=4),
                           coserve=CoserveConfig(slo_tpot_ms=None))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name=MODEL, api_keys=api_keys,
                                     finetune=FinetuneServiceConfig(state_dir=state_dir)))
     return engine, thread, thread.start()

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
 
-(kf, kd, kb) = import_kernels(("flexserve_kernels.lora_fused_train", "flexserve_kernels.lora_dropout",
-                               "flexserve_kernels.lora_fused_train_bwd"), interpret=not torch.cuda.is_available())
+(kf, kd, kb) = import_kernels(("flexserve_kernels.lora.train.fused", "flexserve_kernels.lora.train.dropout",
+                               "flexserve_kernels.lora.train.fused_bwd"), interpret=not torch.cuda.is_available())
 
-from flexserve.worker import backward_ops  # noqa: E402
-from flexserve.worker.activation_store import dropout_keep_mask, dropout_window_seed  # noqa: E402
-from flexserve_kernels.lora_fused_train_ref import dropout_keep_ref, row_seed  # noqa: E402
+from flexserve.worker.finetune import backward_ops  # noqa: E402
+from flexserve.worker.finetune.activation_store import dropout_keep_mask, dropout_window_seed  # noqa: E402
+from flexserve_kernels.lora.train.ref import dropout_keep_ref, row_seed  # noqa: E402
 
 INTERPRETED = is_interpreted(kd._dropout_keep_mask_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -115,9 +116,9 @@ def test_engine_forward_shrink_is_the_masked_shrink(tiny_config, monkeypatch, dt
 
     from flexserve.peft.graph_pruning import plan_pruning
     from flexserve.peft.layer_graph import build_layer_graph
-    from flexserve.worker.activation_store import ActivationStore, FinetuneCapture
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
-    from flexserve_kernels.lora_ref import lora_shrink_ref
+    from flexserve.worker.finetune.activation_store import ActivationStore, FinetuneCapture
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.ref import lora_shrink_ref
 
     if INTERPRETED:
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the capture's ops take Triton (interpreted)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from _triton_interpret import (
     import_kernels,
     interpreter_hooks,
@@ -27,11 +28,11 @@ from _triton_interpret import (
 )
 
 _KERNEL_MODULES = (
-    "flexserve_kernels.rmsnorm",
-    "flexserve_kernels.rotary",
+    "flexserve_kernels.norm_rope.rmsnorm",
+    "flexserve_kernels.norm_rope.rotary",
     "flexserve_kernels.activation",
-    "flexserve_kernels.kv_cache_write",
-    "flexserve_kernels.rope_kv_write",
+    "flexserve_kernels.attention.kv_cache_write",
+    "flexserve_kernels.norm_rope.rope_kv_write",
 )
 
 
@@ -347,5 +348,6 @@ def test_llama8b_fused_ops_bf16_match_eager(num_tokens):
         assert_close(q, expected_q)
         assert_close(k, expected_k)
 
-        gate, up = randn(num_tokens, inter, dtype=dtype, seed=5, scale=3.0), randn(num_tokens, inter, dtype=dtype, seed=6)
+        gate = randn(num_tokens, inter, dtype=dtype, seed=5, scale=3.0)
+        up = randn(num_tokens, inter, dtype=dtype, seed=6)
         assert_close(act_mod.silu_and_mul(gate, up), torch.nn.functional.silu(gate) * up)

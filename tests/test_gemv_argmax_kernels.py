@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
 
 gemv_mod, argmax_mod = import_kernels(

@@ -48,7 +48,7 @@ def adapter_dir(tmp_path_factory):
     adapter = LoRAAdapter.create(target_shapes(config), config.num_hidden_layers, rank=16,
                                  lora_alpha=32, target_modules=("q_proj", "v_proj", "down_proj"),
                                  generator=g)
-    for a, b in adapter.weights.values():
+    for _a, b in adapter.weights.values():
         b.normal_(0, 0.02, generator=g)
     path = tmp_path_factory.mktemp("lora")
     save_peft_adapter(adapter, str(path))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_training import train_hf_peft
-
 from flexserve import LLM
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
+
+from _hf_training import train_hf_peft
 
 pytestmark = [pytest.mark.gpu]
 
@@ -115,7 +115,7 @@ def test_gpu_bf16_finetuning_fused_path_is_as_accurate_as_torch_path(
     the fused path may not be worse than 1.25x the torch path's."""
     from safetensors.torch import load_file
 
-    from flexserve.worker import layer_backward
+    from flexserve.worker.finetune import layer_backward
 
     # Every window takes the 16-bit LoRA GEMMs (the 16-token windows are otherwise too narrow).
     monkeypatch.setattr(layer_backward, "WIDE_LORA_GEMM_ROWS", 1)

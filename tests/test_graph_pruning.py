@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from flexserve.entrypoints import cli, finetune_plan
+from flexserve.entrypoints.cli import finetune_plan
+from flexserve.entrypoints.cli import main as cli
 from flexserve.model.registry import resolve_model
 from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import (
@@ -23,11 +24,11 @@ from flexserve.peft.layer_graph import LayerGraph, Op, build_layer_graph
 
 ALL = tuple(TARGET_MODULES)
 ATTN_IN = ("q_proj", "k_proj", "v_proj")
-H, KV, I = 4096, 1024, 14336  # Llama-3.1-8B: hidden, K/V width, intermediate
+H, KV, INTER = 4096, 1024, 14336  # Llama-3.1-8B: hidden, K/V width, intermediate
 # What every layer above layer 0 needs whatever the bypass: rmsnorm inputs, attention's q (k and
 # v_out in the KV cache) and silu_mul's inputs. Backward recomputes the rest of the backbone.
 BASE_STORED = {"x", "x_mid", "q", "gate_out", "up_out"}
-BASE_BYTES = (3 * H + 2 * I) * 2  # bf16
+BASE_BYTES = (3 * H + 2 * INTER) * 2  # bf16
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +50,15 @@ def test_lora_on_down_proj_only(llama8b):
     assert p.bytes_per_token == BASE_BYTES == 81920
     by_name = {t.name: t for t in p.tensors}
     assert by_name["m"].recompute_from == ("gate_out", "up_out")
-    assert by_name["m"].recompute_flops == 5 * I
-    assert by_name["down_proj_s"].recompute_flops == 5 * I + 2 * I * 16  # the chain, in full
+    assert by_name["m"].recompute_flops == 5 * INTER
+    assert by_name["down_proj_s"].recompute_flops == 5 * INTER + 2 * INTER * 16  # the chain, in full
     assert by_name["x"].needed_by == ("input_layernorm",)
     # Only backbone weight gradients go: every op still propagates to x.
     assert p.backward["down_proj.linear"] == ("m",)
     assert set(p.backward["down_proj.lora_b"]) == {"down_proj_s", "down_proj.lora_B"}
     assert p.backward["input_layernorm"] == ("x",)
     # Without pruning, full fine-tuning would also keep h_attn, attn, h_mlp, m and s.
-    assert p.unpruned_bytes_per_token == (6 * H + 3 * I + 16) * 2
+    assert p.unpruned_bytes_per_token == (6 * H + 3 * INTER + 16) * 2
 
 
 def test_layer0_pruning_propagates_through_the_layer(llama8b):
@@ -65,7 +66,7 @@ def test_layer0_pruning_propagates_through_the_layer(llama8b):
     from the output to the LoRA weights, so only the LoRA input is kept."""
     p = plan(llama8b, {"down_proj": "lora"}, input_grad=False)
     assert p.stored == {"m"} and p.kv_cache == set() and p.remat_order == ("down_proj_s",)
-    assert p.bytes_per_token == I * 2
+    assert p.bytes_per_token == INTER * 2
     live = {op: outs for op, outs in p.backward.items() if outs}
     assert live == {"down_proj.lora_a": ("down_proj.lora_A",),
                     "down_proj.lora_b": ("down_proj_s", "down_proj.lora_B"),
@@ -98,7 +99,7 @@ def test_chains_beyond_algorithm_1_trade_memory_for_recompute(llama8b):
     assert by_name["h_mlp"].needed_by == () and by_name["h_mlp"].recompute_from == ("x_mid",)
     # A chain is paid in full: m = silu_mul(gate_out, up_out), each from h_mlp from x_mid.
     gate = by_name["gate_out"].recompute_flops
-    assert by_name["m"].recompute_flops == 2 * gate + 5 * I  # silu_mul: 5 FLOPs per element
+    assert by_name["m"].recompute_flops == 2 * gate + 5 * INTER  # silu_mul: 5 FLOPs per element
     # Below the chain's price gate/up stay stored (each costs 26.9% of the layer's forward FLOPs).
     p = plan(llama8b, {"down_proj": "lora"}, remat_threshold=0.25, chains=True)
     assert {"gate_out", "up_out", "x", "x_mid"} <= p.stored and "q" not in p.stored
@@ -169,7 +170,7 @@ def test_threshold_zero_rematerializes_nothing_and_attention_is_never_redone(lla
     default = plan(llama8b, bypass)
     assert none.rematerialized == set()
     assert none.stored == default.stored | default.rematerialized
-    assert none.bytes_per_token == default.bytes_per_token + (2 * H + I + 7 * 16) * 2  # h_*, m, s
+    assert none.bytes_per_token == default.bytes_per_token + (2 * H + INTER + 7 * 16) * 2  # h_*, m, s
     # Any budget: attention's cost grows with the context, frozen GEMMs only with a big budget.
     huge = plan(llama8b, {"up_proj": "lora"}, remat_threshold=1.0)
     assert "gate_out" in huge.rematerialized  # gate_proj(h_mlp), 27% of the layer's FLOPs

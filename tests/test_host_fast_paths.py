@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from _tokenizer import smollm2_tokenizer, tiny_byte_level_tokenizer
 
 from flexserve.engine.detokenizer import IncrementalDetokenizer, fast_decode_fn
 from flexserve.engine.kv_cache_manager import KVCacheManager
@@ -16,6 +15,8 @@ from flexserve.engine.request import Request, RequestStatus
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.sampler import Sampler, SamplingMetadata
 from flexserve.sampling_params import SamplingParams
+
+from _tokenizer import smollm2_tokenizer, tiny_byte_level_tokenizer
 
 
 @pytest.mark.parametrize("make_tokenizer", [smollm2_tokenizer, tiny_byte_level_tokenizer])

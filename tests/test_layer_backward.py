@@ -24,12 +24,12 @@ from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.model.loader import load_model
 from flexserve.model.registry import resolve_model
-from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.activation_budget import plan_layers
+from flexserve.peft.bypass import TARGET_MODULES
 from flexserve.peft.graph_pruning import plan_pruning
 from flexserve.peft.layer_graph import build_layer_graph
 from flexserve.peft.peft_io import load_peft_adapter
-from flexserve.worker.activation_store import (
+from flexserve.worker.finetune.activation_store import (
     ActivationStore,
     FinetuneCapture,
     apply_lora_dropout,
@@ -37,10 +37,10 @@ from flexserve.worker.activation_store import (
     pack_bits,
     unpack_bits,
 )
-from flexserve.worker.layer_backward import SequenceBackward, lora_grad_buffers
+from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_buffers
+from flexserve.worker.finetune.window_loss import window_loss
 from flexserve.worker.lora_manager import attach_lora_linears
-from flexserve.worker.window_loss import window_loss
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 ALL = list(TARGET_MODULES)
 # Norm-wise relative error of every gradient tensor vs PEFT. Measured (x86 CPU, torch 2.13):
@@ -270,7 +270,7 @@ class CoServing:
 
     def _record_inference(self, rows, hidden, infs) -> None:
         flat = 0
-        for ids, computed, table, _, store in rows:
+        for ids, _computed, table, _, store in rows:
             if store is None:
                 inf = next(inf for inf in infs if inf.table is table)
                 inf.hidden.append(hidden[flat:flat + len(ids)].clone())
@@ -431,7 +431,7 @@ def tiny(tiny_config, tiny_checkpoint):
     config = tiny_config("llama", num_hidden_layers=3, max_position_embeddings=128)
     path = tiny_checkpoint(config, seed=9)
     model, hf_config = build_model(path)
-    for (index, target), module in _lora_modules(model).items():
+    for (index, _target), module in _lora_modules(model).items():
         a = torch.randn(8, module.in_features, generator=torch.Generator().manual_seed(index))
         module.set_slot(JOB_SLOT, a * 0.1, torch.zeros(module.out_features, 8), 2.0)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

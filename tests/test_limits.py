@@ -9,12 +9,18 @@ import concurrent.futures
 import json
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.auth import APIKeyTable
-from flexserve.entrypoints.limits import AdmissionController, AdmissionLimits, Rejection, Ticket
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
+from flexserve.entrypoints.openai.auth import APIKeyTable
+from flexserve.entrypoints.openai.limits import (
+    AdmissionController,
+    AdmissionLimits,
+    Rejection,
+    Ticket,
+)
+
 from _fake_engine import MODEL, FakeExecutor, fake_engine, wait_until
 
 KEYS = {"alice": "sk-alice-0123", "bob": "sk-bob-4567"}

@@ -21,8 +21,10 @@ from starlette.testclient import TestClient
 
 from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.cli import build_parser, engine_config_from_args, parse_lora_modules
+from flexserve.entrypoints.cli.args import engine_config_from_args, parse_lora_modules
+from flexserve.entrypoints.cli.main import build_parser
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.lora import LoRAAdapter
 from flexserve.peft.peft_io import ADAPTER_CONFIG_NAME, save_peft_adapter
@@ -82,7 +84,7 @@ def server(smollm2_dir, adapters):
                         allowed_adapter_dir=adapters.allowed,
                         lora_modules={"startup": adapters.startup}),
     )
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name=MODEL))
     url = thread.start()
     yield SimpleNamespace(url=url, engine=engine)
@@ -322,7 +324,8 @@ def test_cli_lora_options():
 
 
 def test_adapter_routes_without_lora_are_400():
-    from flexserve.engine.llm_engine import LLMEngine, ModelInfo
+    from flexserve.engine.llm_engine import LLMEngine
+    from flexserve.engine.model_info import ModelInfo
 
     class NoModel:
         def execute(self, plan):

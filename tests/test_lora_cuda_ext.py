@@ -1,4 +1,4 @@
-"""The CUDA C++ BGMV decode extension (csrc/lora_bgmv.{cu,cpp}, flexserve_kernels.cuda_ext).
+"""The CUDA C++ BGMV decode extension (csrc/lora_bgmv.{cu,cpp}, flexserve_kernels.lora.serve.cuda_ext).
 
 On CPU (CI): the loader declines with a logged reason (CPU torch or no GPU), FLEXSERVE_CUDA_EXT=0
 and FLEXSERVE_LORA_DECODE_BACKEND are honored, and the sources compile with this machine's nvcc
@@ -33,9 +33,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flexserve_kernels import cuda_ext
-from flexserve_kernels.lora_meta import LoRAKernelMeta
-from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from flexserve_kernels.lora.serve import cuda_ext
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.ref import lora_expand_ref, lora_shrink_ref
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -47,7 +47,7 @@ def test_loader_declines_without_cuda_and_logs_why(fresh_loader, caplog, monkeyp
     monkeypatch.delenv("FLEXSERVE_CUDA_EXT", raising=False)
     expected = ("is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible")
     # INFO under the default backend (auto), WARNING under cuda: tests/test_lora_decode_backend.py
-    with caplog.at_level(logging.INFO, logger="flexserve_kernels.cuda_ext"):
+    with caplog.at_level(logging.INFO, logger="flexserve_kernels.lora.serve.cuda_ext"):
         assert cuda_ext.load_lora_bgmv() is None
         assert cuda_ext.load_lora_bgmv() is None
     assert expected in cuda_ext.unavailable_reason()
@@ -76,7 +76,7 @@ def test_decode_routing_never_builds_the_extension(fresh_loader, monkeypatch):
 
 def test_env_switch_turns_the_extension_off(fresh_loader, caplog, monkeypatch):
     monkeypatch.setenv("FLEXSERVE_CUDA_EXT", "0")
-    with caplog.at_level(logging.INFO, logger="flexserve_kernels.cuda_ext"):
+    with caplog.at_level(logging.INFO, logger="flexserve_kernels.lora.serve.cuda_ext"):
         assert cuda_ext.load_lora_bgmv() is None
     assert cuda_ext.unavailable_reason() == "FLEXSERVE_CUDA_EXT=0 turns it off"
     assert any("FLEXSERVE_CUDA_EXT=0" in r.getMessage() for r in caplog.records)
@@ -84,17 +84,6 @@ def test_env_switch_turns_the_extension_off(fresh_loader, caplog, monkeypatch):
     meta = LoRAKernelMeta.build([1, 1], [0, 1], "cpu")
     assert not cuda_ext.cuda_decode_wanted("cuda", meta)
     assert not cuda_ext.cuda_decode_replaces_fused("cuda", meta)
-
-
-def test_decode_backend_parsing(monkeypatch):
-    monkeypatch.delenv("FLEXSERVE_LORA_DECODE_BACKEND", raising=False)
-    assert cuda_ext.decode_backend() == "auto"
-    for value in ("cuda", "TRITON", "auto"):
-        monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", value)
-        assert cuda_ext.decode_backend() == value.lower()
-    monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "cutlass")
-    with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
-        cuda_ext.decode_backend()
 
 
 def test_cpu_tensors_never_take_the_extension(monkeypatch):
@@ -371,7 +360,7 @@ def test_ops_replay_in_a_cuda_graph():
 @gpu
 @pytest.mark.parametrize("backend", ["auto", "cuda"])
 def test_lora_ops_route_decode_batches_to_the_extension(backend, monkeypatch):
-    from flexserve_kernels import lora_ops
+    from flexserve_kernels.lora.serve import ops as lora_ops
 
     _ops()
     monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", backend)

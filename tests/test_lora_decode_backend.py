@@ -26,13 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import flexserve_kernels
+import flexserve_kernels.lora.serve
+from flexserve import envs
 from flexserve.layers import lora_linear
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
-from flexserve_kernels import cuda_ext, lora_ops
-from flexserve_kernels.lora_meta import LoRAKernelMeta
-from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+from flexserve_kernels.lora.serve import cuda_ext
+from flexserve_kernels.lora.serve import ops as lora_ops
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.ref import lora_expand_ref, lora_shrink_ref
 
 BACKENDS = ("auto", "cuda", "triton")
 ROWS = (1, 16, 17, 64)
@@ -71,18 +73,18 @@ def launches(monkeypatch):
         return lora_expand_ref(s, b, meta, y, scaling)
 
     fakes = {
-        "lora_shrink": dict(lora_shrink_bgmv=recorder("triton_bgmv_shrink", lora_shrink_ref),
+        "shrink": dict(lora_shrink_bgmv=recorder("triton_bgmv_shrink", lora_shrink_ref),
                             lora_shrink_sgmv=recorder("triton_sgmv_shrink", lora_shrink_ref)),
-        "lora_expand": dict(lora_expand_bgmv=recorder("triton_bgmv_expand", expand),
+        "expand": dict(lora_expand_bgmv=recorder("triton_bgmv_expand", expand),
                             lora_expand_sgmv=recorder("triton_sgmv_expand", expand)),
-        "lora_fused": dict(lora_fused_bgmv=recorder("fused", lambda x, groups, slots: None)),
-        "lora_expand_folded": dict(lora_expand_folded=recorder("folded_expand", lambda *a: None)),
+        "fused": dict(lora_fused_bgmv=recorder("fused", lambda x, groups, slots: None)),
+        "expand_folded": dict(expand_bypass=recorder("folded_expand", lambda *a: None)),
     }
     for name, attrs in fakes.items():
-        module = types.ModuleType(f"flexserve_kernels.{name}")
+        module = types.ModuleType(f"flexserve_kernels.lora.serve.{name}")
         module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, f"flexserve_kernels.{name}", module)
-        monkeypatch.setattr(flexserve_kernels, name, module, raising=False)
+        monkeypatch.setitem(sys.modules, f"flexserve_kernels.lora.serve.{name}", module)
+        monkeypatch.setattr(flexserve_kernels.lora.serve, name, module, raising=False)
     monkeypatch.setattr(cuda_ext, "lora_shrink_cuda", recorder(
         "cuda_shrink", lambda x, a, slots: torch.zeros(x.shape[0], a.shape[1])))
     monkeypatch.setattr(cuda_ext, "lora_expand_cuda", recorder("cuda_expand", lambda s, b, slots, y, sc: y))
@@ -110,11 +112,11 @@ def _run_add_lora(module: LoRALinear, meta: LoRAKernelMeta) -> None:
 # ------------------------------------------------------------------------------------ decisions
 def test_default_backend_is_auto_and_bad_values_raise(monkeypatch):
     monkeypatch.delenv("FLEXSERVE_LORA_DECODE_BACKEND", raising=False)
-    assert cuda_ext.decode_backend() == "auto"
+    assert envs.lora_decode_backend() == "auto"
     assert cuda_ext.CUDA_DECODE_MAX_ROWS == 16
     monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", "cublas")
     with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
-        cuda_ext.decode_backend()
+        envs.lora_decode_backend()
     with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
         cuda_ext.cuda_decode_wanted("cuda", decode_meta(4))
     with pytest.raises(ValueError, match="FLEXSERVE_LORA_DECODE_BACKEND must be one of"):
@@ -221,7 +223,7 @@ def test_load_for_decode_builds_only_when_decode_may_use_it(backend, device, pai
     attempts = []
     monkeypatch.setattr(cuda_ext, "load_lora_bgmv", lambda: attempts.append(1) or "ops")
     monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", backend)
-    with caplog.at_level(logging.INFO, logger="flexserve_kernels.cuda_ext"):
+    with caplog.at_level(logging.INFO, logger="flexserve_kernels.lora.serve.cuda_ext"):
         result = cuda_ext.load_for_decode(device, bgmv_pairs=pairs)
     assert (result == "ops") is loads and len(attempts) == int(loads)
     ready = [r.getMessage() for r in caplog.records if "ready for LoRA decode in" in r.getMessage()]
@@ -233,7 +235,7 @@ def test_unavailable_extension_logs_one_line_saying_why(backend, level, fresh_lo
     # Falling back is expected under the default (auto), a problem when cuda was asked for.
     monkeypatch.setenv("FLEXSERVE_CUDA_EXT", "0")
     monkeypatch.setenv("FLEXSERVE_LORA_DECODE_BACKEND", backend)
-    with caplog.at_level(logging.INFO, logger="flexserve_kernels.cuda_ext"):
+    with caplog.at_level(logging.INFO, logger="flexserve_kernels.lora.serve.cuda_ext"):
         assert cuda_ext.load_for_decode("cuda") is None
         assert not cuda_ext.cuda_decode_wanted("cuda", decode_meta(4))
         assert not cuda_ext.cuda_decode_wanted("cuda", decode_meta(16))

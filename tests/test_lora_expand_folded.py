@@ -10,14 +10,16 @@ Tolerances: the kernel and the reference both form the delta in fp32 from the sa
 once, so they differ by fp32 summation order: in 16-bit one ulp of y (2 eps relative below; the
 interpreter truncates fp32 -> bf16, doubling it), in fp32 a few ulps (1e-5 relative). The fused
 SiLU-and-mul against the expand-then-activation reference: fp32 1e-5; bf16 2e-2 (a rounded
-intermediate one ulp apart moves the op's rounded result by up to two ulps). Against the unfolded fp32 oracle, 16-bit runs
-also round s to the model dtype in the GEMM: relative L2 <= 1e-2 for bf16.
+intermediate one ulp apart moves the op's rounded result by up to two ulps). Against the unfolded
+fp32 oracle, 16-bit runs also round s to the model dtype in the GEMM: relative L2 <= 1e-2 for bf16.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -25,10 +27,9 @@ from _triton_interpret import (
     is_interpreted,
     library_is_compiled,
 )
-from torch import nn
 
 folded_kernels, act_kernels = import_kernels(
-    ("flexserve_kernels.lora_expand_folded", "flexserve_kernels.activation"),
+    ("flexserve_kernels.lora.serve.expand_folded", "flexserve_kernels.activation"),
     interpret=not torch.cuda.is_available())
 lora_expand_folded = folded_kernels.lora_expand_folded
 lora_expand_folded_ref = folded_kernels.lora_expand_folded_ref
@@ -171,7 +172,7 @@ def _expected(linears, x, token_slots, adapters):
 def test_folded_group_equals_unfolded_math_and_follows_slot_loads(bias):
     from flexserve.layers.forward_context import set_forward_context
     from flexserve.model.llama import MergedProjection
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     linears = _group((12, 8, 8), bias=bias)
     group = MergedProjection()
@@ -220,11 +221,12 @@ def test_fold_refused_over_max_fraction_keeps_unmerged_single_linears():
 
 
 def test_model_folds_every_group_and_decodes_like_the_unfolded_model():
+    from transformers import LlamaConfig
+
     from flexserve.layers.forward_context import set_forward_context
     from flexserve.model.llama import LlamaForCausalLM
     from flexserve.worker.lora_manager import attach_lora_linears
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
-    from transformers import LlamaConfig
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -260,7 +262,7 @@ def test_model_folds_every_group_and_decodes_like_the_unfolded_model():
 
 
 def _bypass(sizes, num_rows, dtype, seed, token_slots, num_slots=3, max_rank=5):
-    from flexserve_kernels.lora_folded import FoldedLoRA
+    from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
     g = torch.Generator().manual_seed(seed)
     width = sum(sizes)
@@ -272,7 +274,7 @@ def _bypass(sizes, num_rows, dtype, seed, token_slots, num_slots=3, max_rank=5):
 
 
 def _on(bypass, device):
-    from flexserve_kernels.lora_folded import FoldedLoRA
+    from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
     return FoldedLoRA(bypass.s.to(device), bypass.lora_b.to(device), bypass.scaling.to(device),
                       bypass.token_slots.to(device), bypass.sizes)
@@ -305,7 +307,7 @@ def test_silu_and_mul_with_folded_lora_equals_expand_then_activation(width, dtyp
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_expand_folded as kf
+from flexserve_kernels.lora.serve import expand_folded as kf
 
 fn = kf._lora_expand_folded_kernel
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -31,9 +34,8 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora_meta import LoRAKernelMeta
-
-_KERNEL_MODULES = ("flexserve_kernels.lora_shrink", "flexserve_kernels.lora_expand", "flexserve_kernels.lora_fused")
+_KERNEL_MODULES = ("flexserve_kernels.lora.serve.shrink", "flexserve_kernels.lora.serve.expand",
+                   "flexserve_kernels.lora.serve.fused")
 
 
 shrink_kernels, expand_kernels, fused_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
@@ -292,7 +294,7 @@ def test_rejects_bad_inputs(which):
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_fused as kf
+from flexserve_kernels.lora.serve import fused as kf
 
 fn = kf._lora_fused_bgmv_kernel
 

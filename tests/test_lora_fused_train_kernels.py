@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -27,11 +30,9 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora_meta import DropoutWindows, LoRAKernelMeta
-
-_KERNEL_MODULES = ("flexserve_kernels.lora_fused_train_ref", "flexserve_kernels.lora_fused_train",
-                   "flexserve_kernels.lora_fused_train_bwd")
-ref, fused, fused_bwd = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
+_KERNEL_MODULES = ("flexserve_kernels.lora.train.ref", "flexserve_kernels.lora.train.fused",
+                   "flexserve_kernels.lora.train.fused_bwd", "flexserve_kernels.lora.train.linear")
+ref, fused, fused_bwd, linear = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
 
 INTERPRETED = is_interpreted(fused._lora_train_shrink_fwd_kernel)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -90,7 +91,7 @@ def run_both(case: Case, dtype: torch.dtype = torch.float32, seed: int = 11, sca
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case, dtype, scale=scale)
     slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), x.device)
     leaves = [t.clone().requires_grad_() for t in (x, lora_a, lora_b)]
-    y = fused.fused_lora_linear(leaves[0], weight, leaves[1], leaves[2], meta, slots, seed, base_gemm=base_gemm)
+    y = linear.fused_lora_linear(leaves[0], weight, leaves[1], leaves[2], meta, slots, seed, base_gemm=base_gemm)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.device, dtype)
     y.backward(dy)
     ref_leaves = [t.float().clone().requires_grad_() for t in (x, lora_a, lora_b)]
@@ -137,7 +138,7 @@ def test_tma_form_matches_reference():
 def test_tma_dx_epilogue_in_column_parts_matches_blas_form(epilogue_split, blocks):
     # Kernel 4 over TMA with its epilogue (LoRA term with dropout, store) whole or in 2 or 4 column
     # parts of the tile, against the blas form; in = 40 leaves the last column tile partial.
-    from flexserve_kernels.lora_fused_train_tma import dx_bwd_tma
+    from flexserve_kernels.lora.train.fused_tma import dx_bwd_tma
 
     x, weight, lora_a, _, meta, scalings = make_inputs(TMA_CASE)
     slots = fused.LoRATrainSlots.build(scalings, list(TMA_CASE.dropout_ps), DEVICE)
@@ -145,7 +146,7 @@ def test_tma_dx_epilogue_in_column_parts_matches_blas_form(epilogue_split, block
     dy = torch.randn(x.shape[0], TMA_CASE.out_size, generator=g).to(DEVICE)
     ds = torch.randn(x.shape[0], TMA_CASE.max_rank, generator=g).to(DEVICE)
     token_segs = fused.token_segments(meta)
-    want = fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 7, base_gemm="blas")
+    want = linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 7, base_gemm="blas")
     got = torch.full_like(want, float("nan"))
     dx_bwd_tma(dy, weight, ds, lora_a, got, token_segs, meta, slots, 7, blocks=blocks, epilogue_split=epilogue_split)
     assert_close("dX", got, want.float(), 1e-4)
@@ -161,7 +162,7 @@ TILE_ROUTING_CASE = Case(40, 64, 16, (16, 3, 7), (0.0, 0.0, 0.0), (20, 28, 12, 9
 @pytest.mark.parametrize("base_gemm, epilogue_split", [("tma", 1), ("tma", 2), ("blas", 1)])
 def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, epilogue_split):
     # epilogue_split: the TMA form's store in column parts
-    from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+    from flexserve_kernels.lora.train.fused_tma import linear_fwd_tma
 
     x, weight, _, lora_b, meta, scalings = make_inputs(TILE_ROUTING_CASE)
     slots = fused.LoRATrainSlots.build(scalings, list(TILE_ROUTING_CASE.dropout_ps), DEVICE)
@@ -176,7 +177,7 @@ def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, ep
         linear_fwd_tma(x, weight, s, lora_b, got, token_segs, meta, slots, blocks=(16, 32, 32),
                        epilogue_split=epilogue_split)
     else:
-        got = fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm="blas",
+        got = linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm="blas",
                                           blocks=(16, 32, 32))
     assert_close("y", got.cpu(), want, 1e-5)
 
@@ -192,7 +193,7 @@ def test_forward_tiles_of_one_adapter_none_and_several_match_torch(base_gemm, ep
     (320, 132, 8, 16, (320, 56, 1)),  # too few K steps to split
 ])
 def test_tail_plan_splits_only_what_idle_programs_can_take(num_tiles, programs, k_blocks, min_part, want):
-    from flexserve_kernels.lora_fused_train_tma import tail_plan_of
+    from flexserve_kernels.lora.train.fused_tma import tail_plan_of
 
     assert tail_plan_of(num_tiles, programs, k_blocks, min_part, DEVICE) == want
 
@@ -205,7 +206,7 @@ def test_tma_forward_splits_tail_tiles_over_k(rows, out_size, in_size, split):
     # tail of 3, not split. Rows of two adapters and none. A split sums its parts in another
     # order than one pass over K (two steps each, then the parts), so in the interpreter y differs
     # in the last bits from the unsplit launch exactly when it splits; the counters are zero after.
-    from flexserve_kernels.lora_fused_train_tma import linear_fwd_tma
+    from flexserve_kernels.lora.train.fused_tma import linear_fwd_tma
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(rows, in_size, generator=g).to(DEVICE)
@@ -249,11 +250,11 @@ def test_tma_form_rejects_unaligned_rows_and_wide_ranks():
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r1-p0"])  # in = 33: 132-byte rows
     slots = fused.LoRATrainSlots.build(scalings, [0.0], x.device)
     with pytest.raises(ValueError, match="16-byte"):
-        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
+        linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(CASES["single-r128-p0.1"])  # aligned, rank 128
     slots = fused.LoRATrainSlots.build(scalings, [0.1], x.device)
     with pytest.raises(ValueError, match="ranks up to 32"):
-        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
+        linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="tma")
 
 
 @pytest.mark.parametrize("num_splits, key_table, seed", [(1, True, 1234), (3, True, 2**32 - 5), (2, False, 1234)])
@@ -395,7 +396,7 @@ def test_window_shrink_applies_each_windows_mask(kwargs):
 def test_window_shrink_ranks_and_no_dropout():
     # Real adapters (ranks 16, 5 and 1 in slots of 16) against the reference; with every p 0 the
     # windows change nothing: S is the plain shrink (`lora_shrink_ref`).
-    from flexserve_kernels.lora_ref import lora_shrink_ref
+    from flexserve_kernels.lora.serve.ref import lora_shrink_ref
 
     in_size, max_rank = 72, 16
     g = torch.Generator().manual_seed(6)
@@ -432,7 +433,7 @@ def test_dropout_windows_bad_input():
     x, lora_a = torch.randn(5, 8).to(DEVICE), torch.randn(1, 4, 8).to(DEVICE)
     with pytest.raises(ValueError, match="group 2"):
         fused.lora_window_shrink_fwd(x, lora_a, meta, windows, 2)
-    from flexserve_kernels.lora_ops import lora_window_shrink
+    from flexserve_kernels.lora.serve.ops import lora_window_shrink
 
     with pytest.raises(ValueError, match="ranks up to 128"):  # kernel 1's widest slot
         lora_window_shrink(x, torch.zeros(1, 129, 8).to(DEVICE), meta, windows, 0)
@@ -465,7 +466,7 @@ def test_seed_changes_output_only_with_dropout():
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
     with_dropout = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), DEVICE)
     no_dropout = fused.LoRATrainSlots.build(scalings, [0.0] * len(scalings), DEVICE)
-    y = [fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, seed)
+    y = [linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, seed)
          for slots in (with_dropout, no_dropout) for seed in (1, 2)]
     assert not torch.equal(y[0], y[1])
     assert torch.equal(y[2], y[3])
@@ -610,17 +611,17 @@ def test_invalid_arguments_raise_value_error():
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
     slots = fused.LoRATrainSlots.build(scalings, [0.0], DEVICE)
     with pytest.raises(ValueError, match="frozen"):
-        fused.fused_lora_linear(x, weight.clone().requires_grad_(), lora_a, lora_b, meta, slots, 0)
+        linear.fused_lora_linear(x, weight.clone().requires_grad_(), lora_a, lora_b, meta, slots, 0)
     with pytest.raises(ValueError, match="lora_b"):
-        fused.fused_lora_linear(x, weight, lora_a, lora_b[:, :-1], meta, slots, 0)
+        linear.fused_lora_linear(x, weight, lora_a, lora_b[:, :-1], meta, slots, 0)
     with pytest.raises(ValueError, match="seed"):
-        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, -1)
+        linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, -1)
     with pytest.raises(ValueError, match="base_gemm"):
-        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="cutlass")
+        linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 0, base_gemm="cutlass")
     with pytest.raises(ValueError, match="dropout"):
         fused.LoRATrainSlots.build([1.0], [1.0], DEVICE)
     with pytest.raises(ValueError, match="slot configs"):
-        fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, fused.LoRATrainSlots.build([1.0] * 2, [0.0] * 2,
+        linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, fused.LoRATrainSlots.build([1.0] * 2, [0.0] * 2,
                                                                                           DEVICE), 0)
 
 
@@ -680,12 +681,13 @@ def test_gpu_gradients_are_bitwise_reproducible():
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_fused_train as kf
-from flexserve_kernels import lora_fused_train_bwd as kb
-from flexserve_kernels import lora_fused_train_tma as kt
+from flexserve_kernels.lora.train import fused as kf
+from flexserve_kernels.lora.train import fused_bwd as kb
+from flexserve_kernels.lora.train import fused_tma as kt
 
 FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part_ptr", "part_ptr", "ds_ptr"}
-I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr"}  # kernel 1's counters, keys, windows; slots
+# kernel 1's counters, keys, windows; slots
+I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr"}
 
 def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False, fp32=()):
     sig, attrs = {}, {}
@@ -715,12 +717,14 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, strea
     check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
 for shapes, fn, extra in ((kf.FWD_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
-                          (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True, "SPLIT_DS": False})):
+                          (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel,
+                           {"HAS_DROPOUT": True, "SPLIT_DS": False})):
     for c in kf.gemm_configs(shapes):
         compile_one(fn, dict(c.kwargs, BLOCK_R=16, HAS_BASE=True, **extra), c.num_warps, c.num_stages, gemm=True)
 # The LoRA terms alone (base_gemm="blas"), at ranks 16 and 128.
 for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
-                          (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel, {"HAS_DROPOUT": True, "SPLIT_DS": False})):
+                          (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel,
+                           {"HAS_DROPOUT": True, "SPLIT_DS": False})):
     for i, c in enumerate(kf.gemm_configs(shapes)):
         # the candidates kept above rank 32
         for rank in (16, 32) + ((64, 128) if i < kf.WIDE_RANK_TERM_CONFIGS else ()):
@@ -743,11 +747,6 @@ for rank in (16, 32, 64, 128):
     compile_one(kf._lora_train_shrink_fwd_kernel,
                 dict(HAS_DROPOUT=False, SPLIT=True, KEY_TABLE=False, ROW_WINDOWS=False, **tiles),
                 warps, kf.SHRINK_NUM_STAGES, stream=True)
-# Its unsplit autotune candidates (num_splits=1, up to rank 32).
-for m, k, w, s in kf.SHRINK_CONFIG_SHAPES:
-    for key_table in (True, False):
-        compile_one(kf._lora_train_shrink_fwd_kernel, dict(HAS_DROPOUT=True, SPLIT=False, KEY_TABLE=key_table,
-                                                           ROW_WINDOWS=False, BLOCK_M=m, BLOCK_R=32, BLOCK_K=k), w, s)
 # Kernels 3 and 5 with the launchers' CUDA blocks and warps, by rank.
 for rank in (16, 32, 128):
     bm, bn, w = (128, 256, 8) if rank <= 16 else (64, 128, 4) if rank <= 32 else (64, 64, 8)
@@ -845,12 +844,12 @@ def test_autotuned_launches_run_every_config(monkeypatch):
     dy = torch.randn(x.shape[0], case.out_size, generator=torch.Generator().manual_seed(2))
     ds, _ = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
     for base_gemm in ("blas", "triton"):
-        y = fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=base_gemm,
+        y = linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=base_gemm,
                                         autotune=True)
-        dx = fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, base_gemm=base_gemm,
+        dx = linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, base_gemm=base_gemm,
                                          autotune=True)
-        assert_close("y", y, fused.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
-        assert_close("dx", dx, fused_bwd.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
+        assert_close("y", y, linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
+        assert_close("dx", dx, linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
     assert len(calls) == sum(len(shapes) for shapes in (fused.FWD_CONFIG_SHAPES, fused.TERM_CONFIG_SHAPES,
                                                         fused_bwd.DX_CONFIG_SHAPES, fused_bwd.DX_TERM_CONFIG_SHAPES))
 
@@ -859,17 +858,17 @@ def test_auto_base_gemm_takes_tma_forward_only_where_it_runs():
     # "auto": kernel 2 timed between its blas and TMA forms on a Hopper GPU (ranks up to
     # MAX_TMA_RANK, 16-byte rows), kernel 4 on cuBLAS; CPU (the interpreter) and wide ranks get
     # "blas" both ways. Other values are both.
-    from flexserve_kernels.lora_fused_train_tma import MAX_TMA_RANK
+    from flexserve_kernels.lora.train.fused_tma import MAX_TMA_RANK
 
     x, weight = torch.zeros(8, 64), torch.zeros(32, 64)
-    assert fused.base_gemm_forms("auto", x, weight, 16) == ("blas", "blas")
+    assert linear.base_gemm_forms("auto", x, weight, 16) == ("blas", "blas")
     for form in fused.BASE_GEMMS:
-        assert fused.base_gemm_forms(form, x, weight, 16) == (form, form)
+        assert linear.base_gemm_forms(form, x, weight, 16) == (form, form)
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         x, weight = x.cuda().bfloat16(), weight.cuda().bfloat16()
-        assert fused.base_gemm_forms("auto", x, weight, MAX_TMA_RANK) == ("auto", "blas")
-        assert fused.base_gemm_forms("auto", x, weight, MAX_TMA_RANK + 1) == ("blas", "blas")
-        assert fused.base_gemm_forms("auto", x, weight[:31], 16) == ("blas", "blas")  # 62-byte rows of y
+        assert linear.base_gemm_forms("auto", x, weight, MAX_TMA_RANK) == ("auto", "blas")
+        assert linear.base_gemm_forms("auto", x, weight, MAX_TMA_RANK + 1) == ("blas", "blas")
+        assert linear.base_gemm_forms("auto", x, weight[:31], 16) == ("blas", "blas")  # 62-byte rows of y
 
 
 @pytest.mark.gpu
@@ -879,13 +878,13 @@ def test_gpu_auto_forward_form_is_timed_once_per_shape(monkeypatch):
     case = Case(256, 128, 16, (16,), (0.1,), (256,), (0,))
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case, torch.bfloat16, "cuda")
     slots = fused.LoRATrainSlots.build(scalings, list(case.dropout_ps), "cuda")
-    monkeypatch.setattr(fused, "_FORWARD_FORMS", {})
-    y = fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
-    (form,) = fused._FORWARD_FORMS.values()
+    monkeypatch.setattr(linear, "_FORWARD_FORMS", {})
+    y = linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
+    (form,) = linear._FORWARD_FORMS.values()
     assert form in ("blas", "tma")
-    assert torch.equal(y, fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3, base_gemm=form))
+    assert torch.equal(y, linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3, base_gemm=form))
     calls = []
-    real = fused.lora_train_linear_fwd
-    monkeypatch.setattr(fused, "lora_train_linear_fwd", lambda *a, **k: calls.append(k["base_gemm"]) or real(*a, **k))
-    fused.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
+    real = linear.lora_train_linear_fwd
+    monkeypatch.setattr(linear, "lora_train_linear_fwd", lambda *a, **k: calls.append(k["base_gemm"]) or real(*a, **k))
+    linear.fused_lora_linear(x, weight, lora_a, lora_b, meta, slots, 3)
     assert calls == [form]  # looked up, not timed again

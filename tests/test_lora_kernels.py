@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.ref import lora_expand_ref, lora_shrink_ref
+
 from _triton_interpret import (
     compile_for_hopper,
     import_kernels,
@@ -30,15 +34,11 @@ from _triton_interpret import (
     library_is_compiled,
 )
 
-from flexserve_kernels.lora_meta import LoRAKernelMeta
-from flexserve_kernels.lora_ref import lora_expand_ref, lora_shrink_ref
-
-_KERNEL_MODULES = ("flexserve_kernels.lora_shrink", "flexserve_kernels.lora_expand")
+_KERNEL_MODULES = ("flexserve_kernels.lora.serve.shrink", "flexserve_kernels.lora.serve.expand")
 
 
 shrink_kernels, expand_kernels = import_kernels(_KERNEL_MODULES, interpret=not torch.cuda.is_available())
-from flexserve_kernels import lora_ops  # noqa: E402  (after the kernels are decorated)
-
+from flexserve_kernels.lora.serve import ops as lora_ops  # noqa: E402  (after the kernels are decorated)
 
 INTERPRETED = is_interpreted(shrink_kernels._lora_shrink_sgmv_kernel)
 # Interpreted kernels run on CPU tensors; compiled ones on the GPU (the lead's CI for this file).
@@ -185,7 +185,7 @@ def test_sgmv_shrink_split_k_and_small_blocks(nan_empty):
 def tile_mapped(meta: LoRAKernelMeta, block_m: int, pad_segments: int, num_entries: int):
     """The CUDA-graph form of `meta`: empty segments appended, a static max_seg_len (all tokens)
     and a tile map of `num_entries` (more than the tiles) over the real segments."""
-    from flexserve_kernels.lora_meta import segment_tile_map
+    from flexserve_kernels.lora.serve.meta import segment_tile_map
 
     zeros = meta.seg_lens.new_zeros(pad_segments)
     lens = meta.seg_lens.cpu().numpy()
@@ -401,8 +401,9 @@ def test_launchers_reject_bad_block_sizes():
 _COMPILE_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from flexserve_kernels import lora_expand as ke, lora_shrink as ks
+from flexserve_kernels.lora.serve import expand as ke
 
+from flexserve_kernels.lora.serve import shrink as ks
 I32 = "i32"
 P = {"bf16": "*bf16", "fp32": "*fp32"}
 

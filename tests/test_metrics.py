@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexserve.config import CacheConfig, EngineConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.serving_stats import FinishedRequestStats, IterationStats
-from flexserve.entrypoints.api_server import ServerThread, build_app
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.metrics import PrometheusStatLogger
 from flexserve.metrics.prometheus import iteration_tokens_buckets
 
@@ -42,7 +42,7 @@ COUNTERS = {  # family names: the exposition adds `_total`
 def server(smollm2_dir):
     config = EngineConfig(model=ModelConfig(model=smollm2_dir, max_model_len=1024),
                           cache=CacheConfig(kv_cache_gib=0.25))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name=MODEL))
     url = thread.start()
     yield SimpleNamespace(url=url, engine=engine)

@@ -56,7 +56,7 @@ def _random_adapter(config, path) -> str:
 def test_triton_path_equals_torch_path(model_type, lora, tiny_config, tiny_checkpoint, monkeypatch,
                                        tmp_path):
     # Four query heads over one KV head: GQA ratio 4 in the kernels. With LoRA, the Triton path
-    # folds the shrinks into the merged GEMMs and fuses the expands (flexserve_kernels.lora_folded).
+    # folds the shrinks into the merged GEMMs and fuses the expands (flexserve_kernels.lora.serve.folded).
     config = tiny_config(model_type, num_key_value_heads=1)
     model_dir = tiny_checkpoint(config, seed=3)
     adapter = (_random_adapter(config, tmp_path / "adapter"),) if lora else ()

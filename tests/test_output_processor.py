@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from _tokenizer import smollm2_tokenizer
 
 from flexserve.engine.output_processor import OutputProcessor, find_stop_string
 from flexserve.engine.plan import StepResult, TokenLogprobs
 from flexserve.engine.request import Request, RequestStatus
 from flexserve.sampling_params import SamplingParams
+
+from _tokenizer import smollm2_tokenizer
 
 FOX = "The quick brown fox jumps over the lazy dog. The end."
 EOS = 2  # <|im_end|>

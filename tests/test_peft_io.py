@@ -60,7 +60,7 @@ def write(path, adapter: LoRAAdapter, **config_changes) -> str:
 def small_adapter(config, rank: int = 4, targets=("q_proj", "v_proj")) -> LoRAAdapter:
     adapter = LoRAAdapter.create(target_shapes(config), config.num_hidden_layers, rank, 8.0,
                                  targets, generator=torch.Generator().manual_seed(1))
-    for a, b in adapter.weights.values():
+    for _a, b in adapter.weights.values():
         b.normal_(0.0, 0.05)
     return adapter
 

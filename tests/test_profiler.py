@@ -27,7 +27,7 @@ from flexserve.engine.latency_model import (
     plan_shape,
     profile_path,
 )
-from flexserve.engine.llm_engine import ModelInfo
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import StepResult
 from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, ProfileGrid
 from flexserve.worker.profiler import fit_profile, profile_executor
@@ -190,7 +190,7 @@ def test_grid_checks_and_heldout_draws_are_seeded():
 
 # ------------------------------------------------------------------------------------ CLI
 def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
-    from flexserve.entrypoints.cli import main
+    from flexserve.entrypoints.cli.main import main
 
     monkeypatch.setenv("FLEXSERVE_HOME", str(tmp_path / "home"))
     state = tmp_path / "state"
@@ -231,7 +231,7 @@ def test_cli_profile_quick(tiny_dir, tmp_path, monkeypatch, capsys):
 
 def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir, one_thread):
     from flexserve.finetune.hyperparameters import Hyperparameters, LoRAHyperparameters
-    from flexserve.worker.finetune_warmup import WARMUP_LORA_DROPOUT, warmup_finetune, warmup_grid
+    from flexserve.worker.finetune.warmup import WARMUP_LORA_DROPOUT, warmup_finetune, warmup_grid
 
     config, executor, info = tiny_executor(tiny_dir)
     assert executor.finetune_runner is None  # CPU: build_executor itself skips the warm-up

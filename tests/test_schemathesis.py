@@ -21,10 +21,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.auth import APIKeyTable
-from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
-from flexserve.entrypoints.limits import AdmissionLimits
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
+from flexserve.entrypoints.openai.auth import APIKeyTable
+from flexserve.entrypoints.openai.limits import AdmissionLimits
+from flexserve.finetune.service import FinetuneServiceConfig
+
 from _fake_engine import MODEL, FakeExecutor, fake_engine
 
 API_KEY = "sk-schemathesis"
@@ -60,7 +61,7 @@ def server(tmp_path_factory):
 def operations() -> list[tuple[str, str]]:
     """(method, path) of every operation the document lists (the server builds the same one)."""
     import flexserve
-    from flexserve.entrypoints.openapi import build_openapi
+    from flexserve.entrypoints.openai.openapi import build_openapi
 
     document = build_openapi(flexserve.__version__, api_key_required=True, finetune=True)
     return [(method.upper(), path) for path, item in document["paths"].items()

@@ -15,11 +15,11 @@ import torch
 from starlette.routing import Route
 
 from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.entrypoints import auth
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from flexserve.entrypoints.auth import APIKeyTable, bearer_token, read_api_key_file
-from flexserve.entrypoints.finetune_service import FinetuneServiceConfig
+from flexserve.entrypoints.engine_builder import build_async_engine
+from flexserve.entrypoints.openai import auth
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
+from flexserve.entrypoints.openai.auth import APIKeyTable, bearer_token, read_api_key_file
+from flexserve.finetune.service import FinetuneServiceConfig
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.lora import LoRAAdapter
 from flexserve.peft.peft_io import (
@@ -28,6 +28,7 @@ from flexserve.peft.peft_io import (
     load_peft_adapter,
     save_peft_adapter,
 )
+
 from _fake_engine import MODEL, FakeExecutor, fake_engine
 
 KEY_FILE = """\
@@ -269,7 +270,7 @@ def test_load_lora_adapter_route_refuses_escapes(tiny, adapter_dirs):
                           cache=CacheConfig(kv_cache_gib=0.01),
                           lora=LoRAConfig(max_loras=1, max_lora_rank=8,
                                           allowed_adapter_dir=str(allowed)))
-    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine))
     url = thread.start()
     try:

@@ -20,10 +20,11 @@ import time
 
 import httpx
 
-from _server_process import ServerProcess
+from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 
-from flexserve.entrypoints.api_server import ServerThread, build_app
-from _fake_engine import MODEL as FAKE, FakeExecutor, fake_engine, wait_until
+from _fake_engine import MODEL as FAKE
+from _fake_engine import FakeExecutor, fake_engine, wait_until
+from _server_process import ServerProcess
 
 MODEL = "smollm2"
 C = "/v1/completions"

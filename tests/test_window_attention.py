@@ -12,15 +12,16 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from flexserve.worker import backward_ops, finetune_warmup
-from flexserve.worker.backward_ops import (
+from flexserve import envs
+from flexserve.worker.finetune import backward_ops
+from flexserve.worker.finetune import warmup as finetune_warmup
+from flexserve.worker.finetune.backward_ops import (
     cudnn_prefix_buckets,
     padded_prefix_attention,
     prefix_bucket,
     prefix_buckets,
     warm_prefix_attention,
     window_attention,
-    window_attention_mode,
 )
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -100,14 +101,14 @@ def test_cudnn_buckets_start_where_cudnn_beats_flash():
 
 def test_window_attention_mode(monkeypatch):
     monkeypatch.delenv("FLEXSERVE_WINDOW_ATTENTION", raising=False)
-    assert window_attention_mode() == backward_ops.DEFAULT_WINDOW_ATTENTION
+    assert envs.window_attention() == envs.DEFAULT_WINDOW_ATTENTION
     monkeypatch.setenv("FLEXSERVE_WINDOW_ATTENTION", "FLASH")
-    assert window_attention_mode() == "flash"
+    assert envs.window_attention() == "flash"
     monkeypatch.setenv("FLEXSERVE_WINDOW_ATTENTION", "cudnn-buckets")
-    assert window_attention_mode() == "cudnn-buckets"
+    assert envs.window_attention() == "cudnn-buckets"
     monkeypatch.setenv("FLEXSERVE_WINDOW_ATTENTION", "cudnn")
     with pytest.raises(ValueError, match="FLEXSERVE_WINDOW_ATTENTION"):
-        window_attention_mode()
+        envs.window_attention()
 
 
 # ------------------------------------------------------------------------ padding, on the CPU

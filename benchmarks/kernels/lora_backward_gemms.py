@@ -1,5 +1,5 @@
 """One layer's LoRA backward products on Llama-3.1-8B's down_proj (r=16, bf16): the 16-bit GEMMs
-with fp32 outputs (`flexserve.worker.backward_ops`: dS split in two bf16 terms, dA, the bypass's
+with fp32 outputs (`flexserve.worker.finetune.backward_ops`: dS split in two bf16 terms, dA, the bypass's
 dX, and the frozen dX GEMM adding it in its epilogue) against widening the operands to fp32 and
 rounding the frozen product before the sum, for windows of 16 to 4096 rows. The source of
 `layer_backward.WIDE_LORA_GEMM_ROWS`.
@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root (benchmarks/README.md)
 from benchmarks import harness  # noqa: E402
-from flexserve.worker.backward_ops import addmm_fp32, mm_fp32, split_bf16
+from flexserve.worker.finetune.backward_ops import addmm_fp32, mm_fp32, split_bf16
 
 RANK, HIDDEN, INTER = 16, 4096, 14336
 

@@ -64,11 +64,11 @@ E2E_BATCHES = [1, 16, 64]  # --part e2e without --batches
 
 def bench_kernels(batch: int, *, num_layers: int, rank: int, num_slots: int, replays: int) -> dict:
     """Microseconds per layer of each path in PATHS (CUDA-graph replay of num_layers layers)."""
-    from flexserve_kernels.cuda_ext import load_lora_bgmv
-    from flexserve_kernels.lora_expand import lora_expand_bgmv
-    from flexserve_kernels.lora_fused import lora_fused_bgmv
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
-    from flexserve_kernels.lora_shrink import lora_shrink_bgmv
+    from flexserve_kernels.lora.serve.cuda_ext import load_lora_bgmv
+    from flexserve_kernels.lora.serve.expand import lora_expand_bgmv
+    from flexserve_kernels.lora.serve.fused import lora_fused_bgmv
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.shrink import lora_shrink_bgmv
 
     ops = load_lora_bgmv()
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -132,7 +132,7 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
     from flexserve import LLM, SamplingParams
     from flexserve.engine.lora_request import LoRARequest
     from flexserve.model.registry import resolve_model
-    from flexserve_kernels.cuda_ext import decode_backend
+    from flexserve_kernels.lora.serve.cuda_ext import decode_backend
 
     hf_config = resolve_model(args.model, "dummy").hf_config
     workdir = tempfile.mkdtemp(prefix="flexserve-bgmv-bench-")
@@ -179,8 +179,8 @@ def down_proj_decode(runner, batch: int) -> str:
     (its shrinks in the GEMM, a Triton expand), "cuda" (the extension's BGMV pair) or "triton"
     (Triton's BGMV pair); asked of the same functions the layers ask, for the graph's padded size."""
     from flexserve.worker.cuda_graphs import padded_batch_size
-    from flexserve_kernels.cuda_ext import cuda_decode_replaces_fused, cuda_decode_wanted
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.cuda_ext import cuda_decode_replaces_fused, cuda_decode_wanted
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     graphs = runner.graph_runner
     rows = (padded_batch_size(batch, graphs.batch_sizes) if graphs is not None else None) or batch
@@ -270,7 +270,7 @@ def main() -> None:
         args.batches = args.batches or E2E_BATCHES
         bench_e2e_one(args)
         return
-    from flexserve_kernels.cuda_ext import load_lora_bgmv, unavailable_reason
+    from flexserve_kernels.lora.serve.cuda_ext import load_lora_bgmv, unavailable_reason
 
     if load_lora_bgmv() is None:  # also builds it once here, before the e2e processes start
         sys.exit(f"the CUDA BGMV extension is unavailable: {unavailable_reason() or 'its build failed (see log)'}")

@@ -54,9 +54,9 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from flexserve_kernels.lora_fused_train import LoRATrainSlots
-    from flexserve_kernels.lora_fused_train_bwd import lora_train_da_bwd, lora_train_dx_term, lora_train_dx_term_da_bwd
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots
+    from flexserve_kernels.lora.train.fused_bwd import lora_train_da_bwd, lora_train_dx_term, lora_train_dx_term_da_bwd
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     device = torch.device("cuda")
     flush = harness.l2_flush_buffer(device)

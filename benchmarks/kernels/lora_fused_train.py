@@ -3,7 +3,7 @@
 For n = k in {4096, 5120, 8192}, rank 16, m in {2048, 4096, 8192} tokens, bf16, times forward and
 forward + backward (CUDA events, median of --iters after --warmup calls, which also run the
 autotuner) of one LoRA linear:
-  fused       flexserve_kernels.lora_fused_train.fused_lora_linear as it runs by default
+  fused       flexserve_kernels.lora.train.fused.fused_lora_linear as it runs by default
               (base_gemm="auto": the forward's frozen GEMM in whichever of the blas and tma forms
               below timed faster at this shape, the backward's on cuBLAS);
   fused_blas  base_gemm="blas": Triton for the LoRA kernels, cuBLAS for the frozen GEMMs with the
@@ -119,8 +119,8 @@ def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
     """(kernel 1 alone, kernel 2 alone given its S, kernel 2's form, the TMA form's tiles and tail
     plan on a Hopper GPU, else {}): the two launches of the fused forward at seed 1234, kernel 2 in
     the form base_gemm="auto" runs here (timed once per shape)."""
-    from flexserve_kernels.lora_fused_train import lora_train_linear_fwd, lora_train_shrink_fwd, run_forms, token_segments
-    from flexserve_kernels.lora_fused_train_tma import last_forward_plan, tma_forward_runs
+    from flexserve_kernels.lora.train.fused import lora_train_linear_fwd, lora_train_shrink_fwd, run_forms, token_segments
+    from flexserve_kernels.lora.train.fused_tma import last_forward_plan, tma_forward_runs
 
     token_segs = token_segments(meta)
     s = lora_train_shrink_fwd(x, lora_a, meta, slots, 1234)
@@ -134,9 +134,9 @@ def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
 
 
 def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> list[dict]:
-    from flexserve_kernels.lora_fused_train import LoRATrainSlots, fused_lora_linear
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
-    from flexserve_kernels.lora_ops import lora_expand, lora_shrink
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots, fused_lora_linear
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.serve.ops import lora_expand, lora_shrink
 
     g = torch.Generator().manual_seed(m + size + num_adapters)
     n = k = size

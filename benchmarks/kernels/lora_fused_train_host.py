@@ -43,15 +43,15 @@ def main() -> None:
 
     import torch
 
-    from flexserve_kernels.lora_fused_train import (
+    from flexserve_kernels.lora.train.fused import (
         LoRATrainSlots,
         fused_lora_linear,
         lora_train_linear_fwd,
         lora_train_shrink_fwd,
         token_segments,
     )
-    from flexserve_kernels.lora_fused_train_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     from benchmarks.kernels.lora_fused_train import peft_linear
 

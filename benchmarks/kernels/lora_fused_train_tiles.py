@@ -56,9 +56,9 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from flexserve_kernels.lora_fused_train import LoRATrainSlots, lora_train_shrink_fwd
-    from flexserve_kernels.lora_fused_train_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
-    from flexserve_kernels.lora_meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots, lora_train_shrink_fwd
+    from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
     device, dtype, rank = torch.device("cuda"), torch.bfloat16, args.rank
     flush = harness.l2_flush_buffer(device)

@@ -25,8 +25,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from flexserve.engine.adapter_manager import AdapterLoadError
-from flexserve.engine.llm_engine import LLMEngine, ModelInfo, PreparedRequest
+from flexserve.engine.llm_engine import LLMEngine, PreparedRequest
 from flexserve.engine.lora_request import LoRARequest
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.serving_stats import (
     FinishedRequestStats,
     IterationStats,
@@ -94,11 +95,6 @@ class AsyncLLMEngine:
         self._pending_finished: list[FinishedRequestStats] = []  # aborts, reported next pass
         # Engine-thread callbacks that get the fine-tuning jobs' updates after every pass.
         self._finetune_listeners: list[Callable[[list[Any]], None]] = []
-
-    @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> AsyncLLMEngine:
-        """Load the model (in the calling thread) and wrap it; call `start()` to serve."""
-        return cls(LLMEngine.from_config(config), **kwargs)
 
     # ------------------------------------------------------------------------------ properties
     @property

@@ -13,45 +13,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from flexserve.engine.lora_request import LoRARequest
+from flexserve.engine.executor import Executor
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
 from flexserve.engine.scheduler import Scheduler
-
-
-class Executor(Protocol):
-    """What the core needs from the worker side (the model runner satisfies it)."""
-
-    def execute(self, plan: BatchPlan) -> StepResult: ...
-
-
-class AsyncExecutor(Executor, Protocol):
-    """An executor that can launch a plan and be waited on later (the model runner)."""
-
-    def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
-        """Launch the plan; the returned call waits for it and gives its result. A plan with
-        `continues_previous` feeds the tokens sampled by the plan launched just before it."""
-        ...
-
-
-class LoRAExecutor(Executor, Protocol):
-    """An executor that serves LoRA adapters (the model runner when LoRA is enabled)."""
-
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Read and validate the adapter into host memory; ValueError with the reason.
-        Thread-safe: servers call it off the engine thread."""
-        ...
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        """Forget the adapter's host copy (a no-op when it has none); thread-safe."""
-        ...
-
-    @property
-    def num_cpu_loras(self) -> int:
-        """Adapters held in host memory."""
-        ...
 
 
 @dataclass(slots=True)

@@ -323,8 +323,8 @@ class FinetuneScheduler:
     def _bin_fits_beside_resident(self, job: FinetuneJobState) -> bool:
         """Whether the job's next bin may start while sequences whose last backward window is in
         this plan still hold their activations: only where both fit max_finetune_len tokens,
-        what the worker reserves for activations (`flexserve.worker.activation_arena`); else it
-        starts in the next plan."""
+        what the worker reserves for activations (`flexserve.worker.finetune.activation_arena`);
+        else it starts in the next plan."""
         resident = sum(s.length for j in self.jobs.values() for s in j.running if s.done)
         if resident == 0:
             return True

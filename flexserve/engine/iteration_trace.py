@@ -19,7 +19,6 @@ the variable unset nothing is installed and nothing is written.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -27,10 +26,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from flexserve import envs
 from flexserve.engine.latency_model import _SHAPE_FIELDS, IterationShape
-
-TRACE_ENV = "FLEXSERVE_ITERATION_TRACE"
-STALL_ENV = "FLEXSERVE_STALL_DUMP_S"
 
 
 class IterationTrace:
@@ -43,7 +40,7 @@ class IterationTrace:
 
     @classmethod
     def from_env(cls) -> IterationTrace | None:
-        path = os.environ.get(TRACE_ENV)
+        path = envs.iteration_trace()
         if not path:
             return None
         trace = cls(path)
@@ -93,7 +90,7 @@ class IterationTrace:
         """A daemon thread that dumps every thread's stack once per step running longer than
         FLEXSERVE_STALL_DUMP_S; `step_started()` is the running step's time.monotonic() start,
         or None between steps."""
-        threshold = float(os.environ.get(STALL_ENV, "1.0"))
+        threshold = envs.stall_dump_s()
 
         def watch() -> None:
             dumped = None

@@ -8,9 +8,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from flexserve.config import EngineConfig, flexserve_home
+from flexserve import envs
+from flexserve.config import EngineConfig
 from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager, NoFreeSlotError
-from flexserve.engine.engine_core import EngineCore, Executor, LoRAExecutor, StepStats
+from flexserve.engine.engine_core import EngineCore, StepStats
+from flexserve.engine.executor import Executor, LoRAExecutor
 from flexserve.engine.finetune_scheduler import (
     FinetuneJobState,
     FinetuneJobStatus,
@@ -25,6 +27,7 @@ from flexserve.engine.latency_model import (
     profile_path,
 )
 from flexserve.engine.lora_request import LoRARequest
+from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.output_processor import OutputProcessor
 from flexserve.engine.request import Request, RequestStatus
 from flexserve.engine.scheduler import Scheduler
@@ -32,22 +35,6 @@ from flexserve.outputs import RequestOutput
 from flexserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    """What the engine knows about the loaded model (filled by the loader side)."""
-
-    name: str  # the name the model was asked for
-    vocab_size: int  # logits width
-    max_model_len: int  # resolved context length
-    eos_token_id: int | None  # from the tokenizer, else the config
-    num_blocks: int  # KV cache blocks allocated
-    block_size: int  # tokens per block
-    device: str  # e.g. "cuda:0" or "cpu"
-    dtype: str  # e.g. "bfloat16"
-    num_layers: int = 0  # decoder layers (fine-tuning's backward walks them top-down)
-    device_name: str = ""  # e.g. "NVIDIA H200" or "cpu" (latency profiles are per device)
 
 
 @dataclass(slots=True)
@@ -114,9 +101,9 @@ class LLMEngine:
         if path is not None:
             model = LatencyModel.load(path)
         else:
-            model = load_matching_profile(flexserve_home(), info.device_name, info.name,
+            model = load_matching_profile(envs.home(), info.device_name, info.name,
                                           info.dtype)
-            path = profile_path(flexserve_home(), info.device_name, info.name, info.dtype)
+            path = profile_path(envs.home(), info.device_name, info.name, info.dtype)
         if model is None:
             logger.info("no latency profile at %s: fine-tuning windows start small and grow "
                         "from measured iterations (run `flexserve profile` to calibrate)", path)
@@ -124,15 +111,6 @@ class LLMEngine:
             logger.info("latency profile %s (held-out median error %s)", path,
                         model.metadata.get("median_rel_error", "unknown"))
         return model
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        """Resolve and load the model, size the KV cache, build the engine."""
-        # Imported here so that the engine package itself never imports torch.
-        from flexserve.worker.builder import build_executor
-
-        executor, tokenizer, info = build_executor(config)
-        return cls(config, executor, tokenizer, info)
 
     # ------------------------------------------------------------------------------- requests
     def next_request_id(self) -> str:

@@ -33,8 +33,8 @@ from flexserve.config import CacheConfig, CoserveConfig, LoRAConfig, SchedulerCo
 from flexserve.engine.adapter_manager import AdapterManager
 from flexserve.engine.finetune_scheduler import FinetuneScheduler
 from flexserve.engine.hybrid_scheduler import HybridTokenScheduler, StepMode
-from flexserve.engine.latency_model import OnlineLatencyModel
 from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from flexserve.engine.latency_model import OnlineLatencyModel
 from flexserve.engine.plan import (
     PLACEHOLDER_TOKEN_ID,
     BatchPlan,
@@ -216,7 +216,8 @@ class Scheduler:
         in blocks the device reuses only for later steps.
         """
         rows = previous.sequences
-        if (not rows or previous.has_finetune_work or self.waiting or self.finetune.has_work() or len(rows) != len(self.running)):
+        if (not rows or previous.has_finetune_work or self.waiting or self.finetune.has_work()
+                or len(rows) != len(self.running)):
             return None
         for row, request in zip(rows, self.running):
             params = request.sampling_params

@@ -18,9 +18,9 @@ from flexserve.config import (
     SchedulerConfig,
 )
 from flexserve.engine.adapter_manager import AdapterLoadError
-from flexserve.engine.llm_engine import LLMEngine
 from flexserve.engine.lora_request import LoRARequest
-from flexserve.entrypoints.finetune_job import FinetuneJob, start_finetune_job
+from flexserve.entrypoints.engine_builder import build_engine
+from flexserve.finetune.job import FinetuneJob, start_finetune_job
 from flexserve.outputs import RequestOutput
 from flexserve.sampling_params import SamplingParams
 
@@ -59,13 +59,13 @@ class LLM:
             finetune=FinetuneConfig(**sections[FinetuneConfig]),
             coserve=CoserveConfig(**{"slo_tpot_ms": None, **sections[CoserveConfig]}),
         )
-        self.engine = LLMEngine.from_config(config)
+        self.engine = build_engine(config)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
         """An LLM over an already built EngineConfig (the CLI builds one from its options)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine.from_config(config)
+        llm.engine = build_engine(config)
         return llm
 
     def finetune(

@@ -316,15 +316,15 @@ class Attention(nn.Module):
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         if use_triton(q.device):
-            from flexserve_kernels.paged_attention import paged_attention
+            from flexserve_kernels.attention.paged import paged_attention
 
             if rope is not None:
-                from flexserve_kernels.rope_kv_write import rope_kv_write
+                from flexserve_kernels.norm_rope.rope_kv_write import rope_kv_write
 
                 rope_kv_write(rope.positions, q, k, v, rope.cos_sin_cache, self.kv_cache,
                               metadata.slot_mapping, self.head_dim)
             else:
-                from flexserve_kernels.kv_cache_write import kv_cache_write
+                from flexserve_kernels.attention.kv_cache_write import kv_cache_write
 
                 kv_cache_write(k, v, self.kv_cache, metadata.slot_mapping)
             out = paged_attention(

@@ -4,7 +4,7 @@ where `use_triton` says so, F.linear everywhere else.
 At one row cuBLAS streams Llama-3.1-8B's q/k/v, o and down weights at 2.5-3.7 TB/s on an H200,
 `flexserve_kernels.gemv` at 3.2-4.0; on the merged gate/up weight the two trade places between
 runs (56-60 us each), and the lm_head's fp32 logits come out of the GEMV's one pass
-(docs/benchmarks.md, session 6). At two rows and more cuBLAS is faster.
+(docs/benchmarks.md). At two rows and more cuBLAS is faster.
 """
 
 from __future__ import annotations

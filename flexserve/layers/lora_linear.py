@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexserve.layers.forward_context import get_forward_context
-from flexserve_kernels.cuda_ext import cuda_decode_replaces_fused
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora_ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
+from flexserve_kernels.lora.serve.cuda_ext import cuda_decode_replaces_fused
+from flexserve_kernels.lora.serve.ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
 
 # Projections whose decode-sized batches take the fused shrink+expand kernel. down_proj stays on
 # the BGMV pair: its shrink reads a 14336-wide A, which the fused kernel would re-read per output
@@ -140,7 +140,7 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
     slices of one merged GEMM's output). Plain `nn.Linear`s (LoRA off) add nothing.
 
     Decode-sized batches on the Triton path run one fused shrink+expand launch for all the given
-    projections (`flexserve_kernels.lora_fused`) when they are all fused targets; other batches
+    projections (`flexserve_kernels.lora.serve.fused`) when they are all fused targets; other batches
     and projections the SGMV/BGMV pair per projection, whose decode-only BGMV `lora_shrink` /
     `lora_expand` may send to the CUDA extension (FLEXSERVE_LORA_DECODE_BACKEND).
     """
@@ -155,7 +155,7 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
         return
     modules, outputs = tuple(m for m, _ in active), tuple(y for _, y in active)
     if folds_batch(x, meta) and all(m.target in _FUSED_DECODE_TARGETS for m in modules):
-        from flexserve_kernels.lora_fused import lora_fused_bgmv
+        from flexserve_kernels.lora.serve.fused import lora_fused_bgmv
 
         lora_fused_bgmv(x, [(m.lora_a, m.lora_b, m.scaling, y) for m, y in zip(modules, outputs)],
                         meta.token_slots)

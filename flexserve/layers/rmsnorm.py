@@ -1,6 +1,6 @@
 """RMSNorm as HF LlamaRMSNorm: normalize in fp32, cast back, then scale by the weight.
 
-Where `use_triton` says so (CUDA), one fused Triton kernel (flexserve_kernels.rmsnorm) does the
+Where `use_triton` says so (CUDA), one fused Triton kernel (flexserve_kernels.norm_rope.rmsnorm) does the
 residual add and the norm with the same roundings; elsewhere the torch code below.
 """
 
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if use_triton(x.device):
-            from flexserve_kernels.rmsnorm import rmsnorm
+            from flexserve_kernels.norm_rope.rmsnorm import rmsnorm
 
             return rmsnorm(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:

@@ -204,7 +204,7 @@ class RopeInputs:
     def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate query [T, H*D] and key [T, KV*D]; the Triton path rotates them in place."""
         if self.cos is None:
-            from flexserve_kernels.rotary import rotary_embedding
+            from flexserve_kernels.norm_rope.rotary import rotary_embedding
 
             return rotary_embedding(self.positions, query, key, self.cos_sin_cache, self.head_dim)
         return (rotate(query, self.cos, self.sin, self.head_dim),

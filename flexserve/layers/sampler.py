@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flexserve.engine.plan import ScheduledSequence, TokenLogprobs
 from flexserve.layers.device_copy import to_device
 from flexserve_kernels.dispatch import use_triton
-
-from flexserve.engine.plan import ScheduledSequence, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 
-from flexserve.config import flexserve_home
+from flexserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _DONE_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 def materialize(home: str | None = None) -> str:
     """Path of the converted model directory, converting from the GGUF the first time."""
-    models_dir = os.path.join(home or flexserve_home(), "models")
+    models_dir = os.path.join(home or envs.home(), "models")
     target = os.path.join(models_dir, MODEL_DIR_NAME)
     if _is_complete(target):
         return target

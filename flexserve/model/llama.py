@@ -36,7 +36,7 @@ from flexserve.layers.linear import dense
 from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
-from flexserve_kernels.lora_folded import FoldedLoRA
+from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # LoRA A rows folded into a merged GEMM may add at most this fraction of its weight rows: decode
@@ -83,7 +83,7 @@ class MergedProjection:
 
     `fold_lora` (LoRA on, GPU path) also places every slot's LoRA A rows below the weight rows,
     so a decode-sized batch with adapters gets the base outputs and all shrinks from one GEMM and
-    adds the bypass with one expand launch (`flexserve_kernels.lora_expand_folded`), or inside
+    adds the bypass with one expand launch (`flexserve_kernels.lora.serve.expand_folded`), or inside
     the kernel that reads the output next (gate/up: SiLU-and-mul). Larger batches, and batches
     without adapters, multiply by the weight rows only.
     """
@@ -177,7 +177,10 @@ class MergedProjection:
         """The projections' outputs (column slices of one tensor), LoRA bypasses added."""
         y, bypass = self.project(x, linears)
         if bypass is not None:
-            bypass.expand(y)
+            # Imported here: the folded expand is a Triton kernel, and folding happens only on CUDA.
+            from flexserve_kernels.lora.serve.expand_folded import expand_bypass
+
+            expand_bypass(bypass, y)
         return y.split(self.sizes, dim=-1)
 
 

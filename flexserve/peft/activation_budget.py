@@ -18,7 +18,7 @@ holds one plan per layer (`ActivationStore` takes a list), and `plan_layers` pic
   budget. A budget that even all-lean layers exceed is a ValueError.
 
 With `offload` (CUDA: `--finetune-activation-offload`), layers go to pinned host memory before
-any goes lean (`flexserve.worker.activation_offload`): every other layer from layer 1 up
+any goes lean (`flexserve.worker.finetune.activation_offload`): every other layer from layer 1 up
 (`offload_candidates`), as few as fit. Their copies run on a side stream while the forward and
 the backward go on, so they cost no recomputation; the device keeps a ring of `NUM_SLOTS` slots
 of one layer each for them, which the budget counts. Every other layer, so that each copy has
@@ -48,7 +48,7 @@ from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
 # recomputes q, gate_out, up_out and m (62% of the layer's forward FLOPs) in the backward.
 BUDGET_REMAT_THRESHOLD = 0.6
 GIB = 1 << 30
-# Device slots of an offload's ring (`flexserve.worker.activation_offload`): one layer in use
+# Device slots of an offload's ring (`flexserve.worker.finetune.activation_offload`): one layer in use
 # while the next one is copied.
 NUM_SLOTS = 2
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from flexserve.config import EngineConfig
-from flexserve.engine.llm_engine import ModelInfo
+from flexserve.engine.model_info import ModelInfo
 from flexserve.model.loader import load_tokenizer
 from flexserve.model.registry import resolve_model
 from flexserve.worker.model_runner import ModelRunner
@@ -68,7 +68,7 @@ def build_executor(config: EngineConfig) -> tuple[ModelRunner, Any | None, Model
         num_blocks * runner.kv_cache_spec.bytes_per_block / (1 << 30), max_model_len,
     )
     if config.finetune.warmup and runner.lora_manager is not None and runner.device.type == "cuda":
-        from flexserve.worker.finetune_warmup import warmup_finetune
+        from flexserve.worker.finetune.warmup import warmup_finetune
 
         warmup_finetune(runner, info, config)
     return runner, tokenizer, info

@@ -26,8 +26,8 @@ from torch import nn
 
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
-from flexserve_kernels.decode_attention import decode_num_splits
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.attention.decode import decode_num_splits
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
 

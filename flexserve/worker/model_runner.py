@@ -37,10 +37,10 @@ from flexserve.peft.bypass import target_shapes
 from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.peft_io import load_peft_adapter
 from flexserve.layers.lora_linear import LoRALinear
-from flexserve.worker.activation_arena import ActivationArena
+from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.cuda_graphs import CUDAGraphRunner
-from flexserve.worker.graph_capture import GraphCapture
-from flexserve.worker.finetune_runner import FinetuneJobSpec, FinetuneRunner
+from flexserve.worker.finetune.graph_capture import GraphCapture
+from flexserve.worker.finetune.runner import FinetuneJobSpec, FinetuneRunner
 from flexserve.worker.kv_cache import (
     KVCacheSpec,
     allocate_kv_caches,
@@ -48,9 +48,9 @@ from flexserve.worker.kv_cache import (
 )
 from flexserve.worker.lora_manager import LoRAManager
 from flexserve.worker.mixed_graphs import MixedGraphRunner, MixedStep
-from flexserve_kernels.cuda_ext import load_for_decode
 from flexserve_kernels.dispatch import use_triton
-from flexserve_kernels.lora_meta import LoRAKernelMeta
+from flexserve_kernels.lora.serve.cuda_ext import load_for_decode
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ModelRunner:
         which torch keeps per thread, for the length the warm-up built them for. Windows of a
         thread without them run flash (`backward_ops.window_attention`)."""
         if self.warm_prefix_len is not None:
-            from flexserve.worker.finetune_warmup import warmup_window_attention
+            from flexserve.worker.finetune.warmup import warmup_window_attention
 
             warmup_window_attention(self, self.warm_prefix_len)
 

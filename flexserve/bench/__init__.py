@@ -1,0 +1,1 @@
+"""The benchmark client behind `flexserve bench serve`: workloads, the HTTP driver, metrics."""

@@ -1,0 +1,1 @@
+"""The `flexserve` command line: serve, profile, bench, finetune-plan."""

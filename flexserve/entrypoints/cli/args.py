@@ -1,0 +1,217 @@
+"""The engine options every subcommand that builds an engine shares (serve, bench, profile)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+from flexserve import envs
+from flexserve.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    CoserveConfig,
+    EngineConfig,
+    FinetuneConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, cache, scheduler and LoRA options (serve, bench); defaults from the configs."""
+    model, cache, scheduler = ModelConfig(), CacheConfig(), SchedulerConfig()
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help="a shipped model name or a Hugging Face directory [%(default)s]")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory [the model's]")
+    group.add_argument("--dtype", default=model.dtype,
+                       choices=("auto", "float32", "bfloat16", "float16"),
+                       help="auto: float32 on CPU, bfloat16 on CUDA [%(default)s]")
+    group.add_argument("--load-format", default=model.load_format, choices=("auto", "dummy"),
+                       help="dummy: random weights, for benchmarks [%(default)s]")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length [the checkpoint's max_position_embeddings]")
+    group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--seed", type=int, default=model.seed,
+                       help="seed of dummy weights and of unseeded sampling [%(default)s]")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="CUDA: run decode eagerly instead of replaying CUDA graphs")
+    group.add_argument("--state-dir", default=None,
+                       help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
+                            "~/.cache/flexserve]")
+
+    group = parser.add_argument_group("KV cache and scheduler")
+    group.add_argument("--block-size", type=int, default=cache.block_size,
+                       help="tokens per KV block [%(default)s]")
+    group.add_argument("--gpu-memory-utilization", type=float,
+                       default=cache.gpu_memory_utilization,
+                       help="CUDA: fraction of device memory to use [%(default)s]")
+    group.add_argument("--kv-cache-gib", type=float, default=cache.kv_cache_gib,
+                       help="CPU: KV cache size in GiB [%(default)s]")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=cache.enable_prefix_caching,
+                       help="reuse KV blocks of equal prompt prefixes [on]")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       default=scheduler.max_num_batched_tokens,
+                       help="token budget of one iteration [%(default)s]")
+    group.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs,
+                       help="running requests at most [%(default)s]")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=scheduler.async_scheduling,
+                       help="launch the next decode step before the previous one's tokens reach "
+                            "the host, so host work overlaps the device's [on]")
+
+    coserve = CoserveConfig()
+    group = parser.add_argument_group("co-serving (how fine-tuning shares iterations)")
+    group.add_argument("--coserve-policy", default=coserve.policy,
+                       choices=("coserve", "temporal", "dynamic-temporal", "spatial",
+                                "inference-only"),
+                       help="coserve: SLO-sized fine-tuning windows in every iteration; temporal: "
+                            "a fine-tuning step after every --temporal-frequency iterations; "
+                            "dynamic-temporal: FlexLLM's adaptive interval; spatial: fine-tuning "
+                            "on its own CUDA stream; inference-only [%(default)s]")
+    group.add_argument("--slo-tpot-ms", type=float, default=coserve.slo_tpot_ms,
+                       help="time-per-output-token SLO; fine-tuning windows fit in it "
+                            "[%(default)s]")
+    group.add_argument("--slo-ttft-ms", type=float, default=coserve.slo_ttft_ms,
+                       help="time-to-first-token SLO [%(default)s]")
+    group.add_argument("--slo-tpot-mode", default=coserve.slo_tpot_mode,
+                       choices=("iteration", "mean"),
+                       help="iteration: every co-served iteration fits the TPOT limit (FlexLLM); "
+                            "mean: the mean of the last 32 iterations with running requests "
+                            "does, so short decode iterations leave room for longer fine-tuning "
+                            "ones (at most 3x the SLO each) [%(default)s]")
+    group.add_argument("--slo-margin", type=float, default=coserve.slo_margin,
+                       help="fraction of the TPOT SLO kept free for prediction error "
+                            "[%(default)s]")
+    group.add_argument("--finetune-min-share", type=float, default=coserve.finetune_min_share,
+                       help="fraction of the token budget fine-tuning keeps when inference "
+                            "saturates the SLO [%(default)s]")
+    group.add_argument("--temporal-frequency", type=int, default=coserve.temporal_frequency,
+                       help="temporal policy: inference iterations between fine-tuning steps "
+                            "[%(default)s]")
+    group.add_argument("--latency-profile", default=None,
+                       help="a `flexserve profile` JSON [the state dir's profile of this device, "
+                            "model and dtype, else a conservative online fallback]")
+    group.add_argument("--finetune-backward-stream", action="store_true",
+                       help="CUDA: run fine-tuning backward windows on a second stream, "
+                            "concurrently with the forward")
+
+    lora = LoRAConfig()
+    group = parser.add_argument_group("fine-tuning (token-level LoRA jobs; they need LoRA slots)")
+    group.add_argument("--max-finetune-len", type=int, default=None,
+                       help="longest training sequence; sizes each sequence's gradient buffers "
+                            "[max_model_len]")
+    group.add_argument("--remat-threshold", type=float, default=None,
+                       help="graph pruning: recompute kept tensors whose op costs less than this "
+                            "fraction of a layer's forward FLOPs [0.01]")
+    group.add_argument("--no-finetune-warmup", action="store_true",
+                       help="skip compiling the fine-tuning kernels at start-up (CUDA): the first "
+                            "job then compiles them while requests may be waiting")
+    group.add_argument("--remat-chains", action="store_true",
+                       help="graph pruning beyond algorithm 1: also recompute through tensors the "
+                            "backward does not read (e.g. the MLP's gate/up from x_mid), within "
+                            "--remat-threshold: less activation memory, more backward time")
+    group.add_argument("--finetune-activation-budget", type=float, default=None, metavar="GIB",
+                       help="GiB one fine-tuning sequence's activation store may take (sized "
+                            "for the job's longest sequence): the lowest layers switch to remat "
+                            "chains (at --remat-threshold, else 0.6) until it fits; a job that "
+                            "cannot fit fails [off]")
+    group.add_argument("--finetune-activation-offload", action="store_true",
+                       help="under --finetune-activation-budget, keep every other layer's "
+                            "activations in pinned host memory (copied on a side stream while "
+                            "the GPU computes) before any layer recomputes [off]")
+    group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (loaded at start-up or at run time)")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="adapters to load at start-up, as name=path or as JSON "
+                            '\'{"name": "...", "path": "..."}\'')
+    group.add_argument("--max-loras", type=int, default=None,
+                       help=f"adapters in device slots = distinct adapters per batch "
+                            f"[{lora.max_loras}]")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept read in host memory, LRU [max(max_loras, 8)]")
+    group.add_argument("--max-lora-rank", type=int, default=None,
+                       help=f"largest adapter rank (the width of every slot) "
+                            f"[{lora.max_lora_rank}]")
+    group.add_argument("--allowed-adapter-dir", default=None,
+                       help="adapter paths must resolve inside this directory [anywhere]")
+
+
+def parse_lora_modules(values: Sequence[str] | None) -> dict[str, str]:
+    """`name=path` or vLLM's JSON `{"name": ..., "path": ...}` items -> {name: path}."""
+    modules: dict[str, str] = {}
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: invalid JSON {value!r}: {e}") from e
+            name, path = item.get("name"), item.get("path")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules: expected NAME=PATH, got {value!r}")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules: {value!r} needs a non-empty name and path")
+        if name in modules:
+            raise ValueError(f"--lora-modules: adapter name {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
+    """LoRAConfig when --enable-lora or any LoRA option is given, else None."""
+    given = {
+        "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
+        "max_lora_rank": args.max_lora_rank, "allowed_adapter_dir": args.allowed_adapter_dir,
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    modules = parse_lora_modules(args.lora_modules)
+    if not (args.enable_lora or given or modules):
+        return None
+    return LoRAConfig(lora_modules=modules, **given)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError naming the bad option."""
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+            load_format=args.load_format, max_model_len=args.max_model_len, seed=args.seed,
+            device=args.device, served_model_name=getattr(args, "served_model_name", None),
+            enforce_eager=args.enforce_eager,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_gib=args.kv_cache_gib, enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            async_scheduling=args.async_scheduling,
+        ),
+        lora=lora_config_from_args(args),
+        finetune=FinetuneConfig(max_finetune_len=args.max_finetune_len,
+                                remat_threshold=args.remat_threshold,
+                                remat_chains=args.remat_chains,
+                                warmup=not args.no_finetune_warmup,
+                                activation_budget_gib=args.finetune_activation_budget,
+                                activation_offload=args.finetune_activation_offload),
+        coserve=CoserveConfig(
+            policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
+            slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,
+            slo_tpot_mode=args.slo_tpot_mode,
+            finetune_min_share=args.finetune_min_share,
+            temporal_frequency=args.temporal_frequency, latency_profile=args.latency_profile,
+            finetune_backward_stream=args.finetune_backward_stream),
+        disable_log_stats=getattr(args, "disable_log_stats", False),
+    )
+
+
+def apply_state_dir(args: argparse.Namespace) -> None:
+    """--state-dir: the model registry and the converters read it from the environment."""
+    if args.state_dir:
+        envs.set_home(args.state_dir)

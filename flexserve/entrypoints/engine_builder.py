@@ -1,0 +1,25 @@
+"""Where the worker meets the engine: build the worker's executor and hand it to the engine.
+
+The engine imports no worker (it sees the executor only through `flexserve.engine.executor`), so
+the callers that own both sides (the offline `LLM`, the CLI and the server) build it here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexserve.config import EngineConfig
+from flexserve.engine.async_engine import AsyncLLMEngine
+from flexserve.engine.llm_engine import LLMEngine
+from flexserve.worker.builder import build_executor
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """Resolve and load the model, size the KV cache, build the engine over its model runner."""
+    executor, tokenizer, info = build_executor(config)
+    return LLMEngine(config, executor, tokenizer, info)
+
+
+def build_async_engine(config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:
+    """`build_engine` (in the calling thread) wrapped for serving; call `start()` to serve."""
+    return AsyncLLMEngine(build_engine(config), **kwargs)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: app, protocol models, routes, errors, auth, limits."""

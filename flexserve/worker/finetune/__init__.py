@@ -1,0 +1,1 @@
+"""The worker's fine-tuning: runner, activation store, layer-wise backward, window loss."""

@@ -1,0 +1,490 @@
+"""The worker side of token-level fine-tuning: each job's adapter, optimizer and pruning plan, and
+each running sequence's activation store and layer-wise backward (FlexLLM 5.2, 6.1).
+
+The model runner calls, per step: `start_sequences` (plan.finetune_starts), `capture_windows`
+before the shared forward (so the model's layers hand the windows' tensors to their stores),
+`window_losses` after it, then `run_backward` (plan.backward_windows), `optimizer_steps` and
+`finish_sequences`. A job's adapter lives in one LoRA slot for the job's whole run, in the model's
+dtype, copied from the fp32 master weights after every optimizer step. A failing job is reported
+in the step result and dropped; the server and other jobs go on. Any exception inside one job's
+work fails that job alone: a non-finite window loss or gradient norm (the job diverged), running
+out of device memory (its activations are dropped and the allocator's cache emptied, so
+inference and the other jobs get the memory back), or a bug. `inject_fault` poisons a job's next
+piece of work on purpose, for tests and fire drills.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexserve.engine.plan import BackwardWindow, FinetuneSequenceStart, FinetuneWindow
+from flexserve.finetune.checkpoint import (
+    TRAINER_STATE_NAME,
+    commit_directory,
+    write_json,
+    write_optimizer_state,
+)
+from flexserve.finetune.hyperparameters import Hyperparameters
+from flexserve.finetune.optimizer import AdapterOptimizer
+from flexserve.peft.activation_budget import LayerPlans, budget_bytes_from_gib, plan_layers
+from flexserve.peft.bypass import TARGET_MODULES, target_shapes
+from flexserve.peft.graph_pruning import PruningPlan
+from flexserve.peft.layer_graph import LayerGraph, build_layer_graph
+from flexserve.peft.lora import LoRAAdapter, lora_scaling
+from flexserve.peft.peft_io import save_peft_adapter
+from flexserve.worker.finetune.activation_arena import ActivationArena
+from flexserve.worker.finetune.activation_store import (
+    ActivationStore,
+    FinetuneCapture,
+    store_layout,
+)
+from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
+from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
+from flexserve.worker.finetune.window_loss import window_loss
+
+logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("nan_loss", "nan_grad", "oom")  # what `FinetuneRunner.inject_fault` can poison
+
+
+@dataclass(slots=True)
+class FinetuneJobSpec:
+    """What the worker needs to run a job (the engine builds it from the job's request)."""
+
+    job_id: str
+    lora_slot: int  # the device slot reserved for the job's adapter
+    hyperparameters: Hyperparameters
+    num_training_steps: int
+    init_adapter: LoRAAdapter | None = None  # start from these weights (else PEFT's init)
+    seed: int = 0  # adapter init and dropout masks
+    # resume: (tensors, config) of `AdapterOptimizer.checkpoint_state()` from a checkpoint whose
+    # adapter is `init_adapter`; its rank, alpha and targets must be the hyper-parameters'
+    resume_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+
+
+@dataclass(slots=True)
+class _Sequence:
+    start: FinetuneSequenceStart
+    store: ActivationStore
+    backward: SequenceBackward
+
+
+class _Job:
+    """One job's adapter, optimizer and plan on the device."""
+
+    def __init__(self, spec: FinetuneJobSpec, model: Any, hf_config: Any, device: torch.device,
+                 dtype: torch.dtype, remat_threshold: float | None, remat_chains: bool = False,
+                 activation_budget_gib: float | None = None,
+                 max_finetune_len: int | None = None, activation_offload: bool = False) -> None:
+        lora = spec.hyperparameters.lora
+        self.spec = spec
+        if spec.init_adapter is not None:
+            adapter = spec.init_adapter
+            rank, alpha, rslora = adapter.rank, adapter.lora_alpha, adapter.use_rslora
+            targets = adapter.target_modules
+            if spec.resume_state is not None and (
+                    (rank, alpha, set(targets)) != (lora.r, lora.alpha, set(lora.target_modules))):
+                raise ValueError(
+                    f"the checkpoint's adapter (r={rank}, alpha={alpha}, targets "
+                    f"{sorted(targets)}) does not match the job's LoRA settings (r={lora.r}, "
+                    f"alpha={lora.alpha}, targets {sorted(lora.target_modules)})")
+            if set(targets) != set(lora.target_modules):
+                logger.info("job %s: init_adapter targets %s (not %s)", spec.job_id,
+                            list(targets), lora.target_modules)
+        else:
+            rank, alpha, rslora, targets = lora.r, lora.alpha, False, tuple(lora.target_modules)
+            adapter = LoRAAdapter.create(
+                target_shapes(hf_config), hf_config.num_hidden_layers, rank, alpha, targets,
+                generator=torch.Generator().manual_seed(spec.seed))
+        self.rank, self.lora_alpha, self.use_rslora = rank, alpha, rslora
+        self.scaling = lora_scaling(rank, alpha, rslora)
+        self.dropout = lora.dropout
+        self.graph: LayerGraph = build_layer_graph(
+            hf_config, {t: "lora" for t in targets}, rank=rank, dropout=lora.dropout)
+        element = torch.empty((), dtype=dtype).element_size()
+        # One plan per layer (layer 0's without its input gradient), mixed with remat chains to
+        # fit the activation budget at the job's longest possible sequence: its data are cut
+        # to max_seq_len and to max_finetune_len.
+        max_num_tokens = spec.hyperparameters.max_seq_len
+        if max_finetune_len is not None:
+            max_num_tokens = min(max_num_tokens, max_finetune_len)
+        self.layer_plans: LayerPlans = plan_layers(
+            self.graph, element, hf_config.num_hidden_layers, remat_threshold, remat_chains,
+            budget_bytes_from_gib(activation_budget_gib), max_num_tokens,
+            offload=activation_offload)
+        self.plan: PruningPlan = self.layer_plans.plans[-1]  # the top layer's (lean if all are)
+        params = {}
+        for (layer, target), (a, b) in adapter.weights.items():
+            params[lora_grad_name(layer, target, "A")] = a.to(device=device, dtype=torch.float32)
+            params[lora_grad_name(layer, target, "B")] = b.to(device=device, dtype=torch.float32)
+        self.keys = sorted(adapter.weights)
+        self.optimizer = AdapterOptimizer.from_hyperparameters(
+            params, spec.hyperparameters, spec.num_training_steps)
+        if spec.resume_state is not None:
+            self.optimizer.load_checkpoint_state(*spec.resume_state)
+        self.model = model
+        self.sequences: dict[int, _Sequence] = {}
+        self.write_slot()
+
+    def write_slot(self) -> None:
+        """Copy the fp32 masters into the job's slot in the model's dtype."""
+        masters = self.optimizer.masters
+        for layer, target in self.keys:
+            module = getattr(getattr(self.model.model.layers[layer],
+                                     TARGET_MODULES[target]), target)
+            module.set_slot(self.spec.lora_slot, masters[lora_grad_name(layer, target, "A")],
+                            masters[lora_grad_name(layer, target, "B")], self.scaling)
+
+    def adapter(self) -> LoRAAdapter:
+        """The current weights as a LoRA adapter on the CPU (fp32)."""
+        masters = self.optimizer.masters
+        weights = {(layer, target): (masters[lora_grad_name(layer, target, "A")].cpu().clone(),
+                                     masters[lora_grad_name(layer, target, "B")].cpu().clone())
+                   for layer, target in self.keys}
+        return LoRAAdapter(rank=self.rank, lora_alpha=self.lora_alpha, weights=weights,
+                           use_rslora=self.use_rslora, lora_dropout=self.dropout)
+
+
+class FinetuneRunner:
+    """All fine-tuning jobs of one model runner."""
+
+    def __init__(self, model: Any, hf_config: Any, block_size: int, device: torch.device,
+                 dtype: torch.dtype, lora_manager: Any, remat_threshold: float | None = None,
+                 loss_chunk_rows: int = 1024, remat_chains: bool = False,
+                 activation_budget_gib: float | None = None,
+                 max_finetune_len: int | None = None, activation_offload: bool = False,
+                 arena: ActivationArena | None = None) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        # activation memory CUDA graphs can write (mixed iterations); None: private stores only
+        self.arena = arena
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.lora_manager = lora_manager
+        self.remat_threshold = remat_threshold
+        self.remat_chains = remat_chains
+        self.activation_budget_gib = activation_budget_gib  # None: no budget
+        self.activation_offload = activation_offload  # budget: layers to host memory first
+        self.max_finetune_len = max_finetune_len  # None: each job's max_seq_len bounds its data
+        self.loss_chunk_rows = loss_chunk_rows
+        self.jobs: dict[str, _Job] = {}
+        self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
+        self._faults: dict[str, str] = {}  # job id -> fault to inject into its next work
+
+    def inject_fault(self, job_id: str, kind: str) -> None:
+        """Poison the job's next piece of work, to test that a failure stays with the job:
+        "nan_loss" makes its next window's final hidden states NaN (so the loss is NaN),
+        "nan_grad" its gradients NaN after its next backward window (so the optimizer step's
+        norm is NaN), "oom" raises `torch.cuda.OutOfMemoryError` in its next window loss or
+        backward window. Thread-safe enough for tests: one dict assignment."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+        self._faults[job_id] = kind
+
+    def _take_fault(self, job_id: str, kinds: tuple[str, ...]) -> str | None:
+        kind = self._faults.get(job_id)
+        if kind in kinds:
+            del self._faults[job_id]
+            return kind
+        return None
+
+    # --------------------------------------------------------------------------------- jobs
+    def add_job(self, spec: FinetuneJobSpec) -> PruningPlan:
+        """Create the job's adapter in its slot and its optimizer; returns its pruning plan."""
+        if spec.job_id in self.jobs:
+            raise ValueError(f"fine-tuning job {spec.job_id!r} exists already")
+        rank = (spec.init_adapter.rank if spec.init_adapter is not None
+                else spec.hyperparameters.lora.r)
+        max_rank = self.lora_manager.config.max_lora_rank
+        if rank > max_rank:
+            raise ValueError(f"LoRA rank {rank} exceeds max_lora_rank {max_rank} (--max-lora-rank): "
+                             "the job's adapter lives in a LoRA slot")
+        # The slot may still hold an earlier adapter's weights (a served adapter evicted from it,
+        # the start-up warm-up's job) on projections this job does not train: they would join its
+        # forward but not its gradients, and keep every linear's LoRA kernels running for it.
+        self.lora_manager.clear_slot(spec.lora_slot)
+        with torch.no_grad():
+            job = _Job(spec, self.model, self.hf_config, self.device, self.dtype,
+                       self.remat_threshold, self.remat_chains, self.activation_budget_gib,
+                       self.max_finetune_len, self.activation_offload)
+        self.jobs[spec.job_id] = job
+        if self.arena is not None and not job.layer_plans.offload_layers:
+            self.arena.reserve(store_layout(job.graph, job.layer_plans.plans, self.dtype))
+        return job.plan
+
+    def end_job(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            _drop_sequences(job)
+            self._count_bytes()
+
+    def remove_job(self, job_id: str) -> None:
+        self._faults.pop(job_id, None)
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            _drop_sequences(job)
+            self.lora_manager.clear_slot(job.spec.lora_slot)
+            self._count_bytes()
+
+    def save_adapter(self, job_id: str, path: str, base_model_name_or_path: str | None) -> None:
+        save_peft_adapter(self._job(job_id).adapter(), path, base_model_name_or_path)
+
+    def adapter(self, job_id: str) -> LoRAAdapter:
+        return self._job(job_id).adapter()
+
+    def save_checkpoint(self, job_id: str, directory: str, trainer_state: dict[str, Any],
+                        base_model_name_or_path: str | None) -> None:
+        """Write the job's checkpoint atomically (`flexserve.finetune.checkpoint`): the adapter
+        in PEFT format (fp32 masters), the AdamW state, and `trainer_state` (the engine's data
+        position). Only between optimizer steps: ValueError while a sequence holds state."""
+        job = self._job(job_id)
+        if job.sequences:
+            raise ValueError(f"fine-tuning job {job_id} has sequences in flight: checkpoint "
+                             "between optimizer steps")
+        step = trainer_state.get("step")
+        if step != job.optimizer.num_completed_steps:
+            raise ValueError(f"the engine is at step {step}, the optimizer at "
+                             f"{job.optimizer.num_completed_steps}")
+        adapter = job.adapter()
+        tensors, config = job.optimizer.checkpoint_state()
+
+        def write(path: str) -> None:
+            save_peft_adapter(adapter, path, base_model_name_or_path)
+            write_optimizer_state(path, tensors, config)
+            write_json(os.path.join(path, TRAINER_STATE_NAME), trainer_state)
+
+        commit_directory(directory, write)
+
+    def _job(self, job_id: str) -> _Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise ValueError(f"no fine-tuning job {job_id!r} on this worker")
+        return job
+
+    def has_sequence(self, window: FinetuneWindow) -> bool:
+        return self._sequence(window.job_id, window.sequence_id) is not None
+
+    def token_ids(self, job_id: str, sequence_id: int) -> list[int]:
+        seq = self._sequence(job_id, sequence_id)
+        if seq is None:
+            raise ValueError(f"fine-tuning sequence {job_id}:{sequence_id} was not started")
+        return seq.start.token_ids
+
+    def block_ids(self, job_id: str, sequence_id: int) -> list[int]:
+        seq = self._sequence(job_id, sequence_id)
+        if seq is None:
+            raise ValueError(f"fine-tuning sequence {job_id}:{sequence_id} was not started")
+        return seq.start.block_ids
+
+    # --------------------------------------------------------------------------------- a step
+    def start_sequences(self, starts: list[FinetuneSequenceStart], errors: dict[str, str]) -> None:
+        for start in starts:
+            job = self.jobs.get(start.job_id)
+            if job is None or start.job_id in errors:
+                continue
+            store = None
+            try:
+                n = len(start.token_ids)
+                store = ActivationStore(
+                    job.graph, job.layer_plans.plans, len(self.model.model.layers), n, self.dtype,
+                    self.device, lora_dropout=job.dropout,
+                    dropout_seed=_dropout_seed(job.spec.seed, start.sequence_id),
+                    offload_layers=job.layer_plans.offload_layers,
+                    offload_host_rows=job.layer_plans.max_num_tokens, arena=self.arena)
+                backward = SequenceBackward(self.model, store, n, start.block_ids,
+                                            self.block_size, job.spec.lora_slot,
+                                            job.optimizer.grads)
+                job.sequences[start.sequence_id] = _Sequence(start, store, backward)
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                if store is not None:
+                    store.release()
+                self._fail(start.job_id, e, errors, "starting a sequence")
+        self._count_bytes()
+
+    def capture_windows(self, windows: list[FinetuneWindow], first_row: int,
+                        errors: dict[str, str]) -> FinetuneCapture:
+        """The forward context's capture; window i's rows start at `first_row` + earlier ones."""
+        capture = FinetuneCapture()
+        row = first_row
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            n = window.end - window.start
+            if seq is not None and window.job_id not in errors:
+                capture.add_window(seq.store, row, window.start, n, window.lora_slot)
+            row += n
+        return capture
+
+    def graph_kept(self, windows: list[FinetuneWindow], errors: dict[str, str]
+                   ) -> dict[tuple[int, str], KeptTensor] | None:
+        """What a `GraphCapture` of these windows keeps: (layer, name) -> layout of the one plan
+        of their stores; None when some window needs the eager `capture_windows` (a store
+        outside the arena, LoRA dropout, a kept mask or delta, plans that differ) or none runs."""
+        stores = [seq.store for seq in (self._sequence(w.job_id, w.sequence_id) for w in windows
+                                        if w.job_id not in errors) if seq is not None]
+        if not stores or self.arena is None:
+            return None
+        names = stores[0].stored_names
+        for store in stores:
+            if (store.arena is None or store.lora_dropout > 0 or store.stored_names != names
+                    or any(store.bitmask_names)
+                    or any(n.endswith(UNSUPPORTED_SUFFIXES) for layer in names for n in layer)):
+                return None
+        return {(layer, name): KeptTensor(*stores[0].buffer_spec(layer, name))
+                for layer, layer_names in enumerate(names) for name in layer_names}
+
+    def job_graph_kept(self, job_id: str) -> dict[tuple[int, str], KeptTensor] | None:
+        """What a `GraphCapture` keeps for the windows of this job (as `graph_kept` finds them
+        on its sequences' stores), or None when they will run eagerly."""
+        job = self.jobs.get(job_id)
+        if (job is None or self.arena is None or job.dropout > 0
+                or job.layer_plans.offload_layers):
+            return None
+        layout = store_layout(job.graph, job.layer_plans.plans, self.dtype)
+        if any(dtype == torch.uint8 or name.endswith(UNSUPPORTED_SUFFIXES)
+               or not self.arena.has(layer, name) for layer, name, _, dtype in layout):
+            return None
+        return {(layer, name): KeptTensor(width, dtype) for layer, name, width, dtype in layout}
+
+    def admit_graph_windows(self, windows: list[FinetuneWindow], first_row: int,
+                            errors: dict[str, str]
+                            ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """Admit the windows `graph_kept` accepted into their stores (a graph writes them):
+        (flat source rows, arena rows, (flat start, tokens) per window); window i's rows start
+        at `first_row` + earlier windows' tokens."""
+        src, dest, spans = [], [], []
+        row = first_row
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            n = window.end - window.start
+            if seq is not None and window.job_id not in errors:
+                store = seq.store
+                store.begin_window(window.start, n)
+                store.mark_written(window.start, n)
+                src.append(np.arange(row, row + n))
+                dest.append(np.arange(store.arena_base + window.start,
+                                      store.arena_base + window.end))
+                spans.append((row, n))
+            row += n
+        return np.concatenate(src), np.concatenate(dest), spans
+
+    def window_losses(self, capture: FinetuneCapture, windows: list[FinetuneWindow],
+                      losses: dict, errors: dict[str, str]) -> None:
+        # The capture holds the windows `capture_windows` admitted (errors do not change during
+        # the forward); a job failing below must not shift the later windows' indices.
+        captured = [w for w in windows if w.job_id not in errors
+                    and self._sequence(w.job_id, w.sequence_id) is not None]
+        for index, window in enumerate(captured):
+            seq = self._sequence(window.job_id, window.sequence_id)
+            if seq is None or window.job_id in errors:
+                continue
+            try:
+                start = seq.start
+                grad_out = seq.backward.residual_grad[window.start:window.end]
+                hidden = capture.final_stream(index)
+                fault = self._take_fault(window.job_id, ("nan_loss", "oom"))
+                if fault == "oom":
+                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
+                if fault == "nan_loss":
+                    hidden = hidden * float("nan")
+                loss = window_loss(self.model, hidden, start.token_ids,
+                                   start.loss_mask, window.start, grad_out, start.loss_scale,
+                                   self.loss_chunk_rows)
+                if not math.isfinite(loss.loss_sum):
+                    raise FloatingPointError(
+                        f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
+                        f"(tokens {window.start}-{window.end}): the job diverged; retry with a "
+                        "lower learning rate")
+                losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens)
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(window.job_id, e, errors, "its forward window's loss")
+
+    def run_backward(self, windows: list[BackwardWindow], errors: dict[str, str]) -> None:
+        for window in windows:
+            seq = self._sequence(window.job_id, window.sequence_id)
+            if seq is None or window.job_id in errors:
+                continue
+            try:
+                if self._take_fault(window.job_id, ("oom",)):
+                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
+                seq.backward.backward_window(window.layer, window.start, window.end)
+                if self._take_fault(window.job_id, ("nan_grad",)):
+                    for grad in self.jobs[window.job_id].optimizer.grads.values():
+                        grad.fill_(float("nan"))
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(window.job_id, e, errors, "a backward window")
+        self._count_bytes()
+
+    def optimizer_steps(self, job_ids: list[str], grad_norms: dict[str, float],
+                        errors: dict[str, str]) -> None:
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job_id in errors:
+                continue
+            try:
+                with torch.no_grad():
+                    norm = job.optimizer.step()
+                    if not math.isfinite(norm):
+                        raise RuntimeError(f"the gradient norm is {norm}: the step diverged")
+                    job.write_slot()
+                grad_norms[job_id] = norm
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(job_id, e, errors, "its optimizer step")
+
+    def finish_sequences(self, finished: list[tuple[str, int]]) -> None:
+        for job_id, sequence_id in finished:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                _drop_sequences(job, sequence_id)
+        self._count_bytes()
+
+    # ------------------------------------------------------------------------------ internals
+    def _sequence(self, job_id: str, sequence_id: int) -> _Sequence | None:
+        job = self.jobs.get(job_id)
+        return None if job is None else job.sequences.get(sequence_id)
+
+    def _fail(self, job_id: str, error: Exception, errors: dict[str, str], during: str) -> None:
+        """End the job's part of this step: the engine marks it failed with `errors[job_id]`."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            _drop_sequences(job)  # its activation stores and gradient buffers go now
+        self._faults.pop(job_id, None)
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back to inference and jobs
+            message = (f"out of device memory during {during}: the job was stopped and its "
+                       "activations freed; retry it with a smaller batch_size or max_seq_len, "
+                       "or when the server is less busy")
+        elif isinstance(error, (ValueError, RuntimeError, FloatingPointError)):
+            message = str(error)
+        else:  # a bug: the trace goes to the log, the job's error names the exception
+            logger.exception("fine-tuning job %s: unexpected error during %s", job_id, during)
+            message = f"internal error during {during} ({type(error).__name__})"
+        logger.error("fine-tuning job %s failed: %s", job_id, message)
+        errors[job_id] = message
+        self._count_bytes()
+
+    def _count_bytes(self) -> None:
+        self.num_activation_bytes = sum(
+            seq.store.num_bytes for job in self.jobs.values() for seq in job.sequences.values())
+
+
+def _drop_sequences(job: _Job, sequence_id: int | None = None) -> None:
+    """Forget one sequence of the job (None: all), returning their arena rows."""
+    ids = list(job.sequences) if sequence_id is None else [sequence_id]
+    for i in ids:
+        seq = job.sequences.pop(i, None)
+        if seq is not None:
+            seq.store.release()
+
+
+def _dropout_seed(job_seed: int, sequence_id: int) -> int:
+    """A distinct dropout stream per sequence of a job (31 bits)."""
+    return (job_seed * 1_000_003 + sequence_id) & 0x7FFFFFFF

@@ -1,0 +1,106 @@
+"""The generative loss of one fine-tuning forward window (FlexLLM algorithm 2, line 10) and where
+the backward starts: its gradient with respect to the last decoder layer's output.
+
+Convention (HF's shifted labels): logits at position p predict token p + 1, and loss_mask[p + 1]
+says whether that target counts. Only rows with a counted target get logits, at most `chunk_rows`
+of them at a time, so a long window never holds [window, vocab] logits. The final RMSNorm and
+lm_head are frozen: their backward gives dL/dx_N only.
+
+The log-softmax runs in a dtype wider than the model's (fp32 for bf16/fp16 models, fp64 for fp32
+ones): summed over a ~50K vocabulary it limits the precision of the whole gradient. SmolLM2 in
+fp32 (x86 CPU, torch 2.13): adapter gradients 1.5e-5 off an fp64 reference with an fp32
+log-softmax, 7.8e-6 with fp64; HF + PEFT in fp32 are 1.9e-5 off the same reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flexserve.worker.finetune.layer_backward import rmsnorm_backward, rmsnorm_forward
+
+DEFAULT_CHUNK_ROWS = 1024
+# Chunks get zero rows up to this many. x86 MKL's fp32 GEMV (one row) sums the vocabulary
+# reduction ~5x less accurately than its GEMM (1.7e-6 vs 3.2e-7 relative for [1, 49152] @
+# [49152, 576], torch 2.13), and the softmax - onehot cancellation of the loss gradient
+# amplifies that: dL/dx_N of SmolLM2 came out 2.5e-5 off an fp64 reference with a one-token
+# window, 1.5e-6 with the padding, which costs nothing measurable (lm_head is read once anyway).
+MIN_GEMM_ROWS = 8
+
+
+@dataclass(slots=True)
+class WindowLoss:
+    """The loss of one window, unscaled."""
+
+    loss_sum: float  # sum of the cross-entropy of the window's counted targets (nats)
+    num_tokens: int  # how many targets counted
+
+
+def window_loss(
+    model: Any,
+    stream: torch.Tensor,
+    token_ids: Sequence[int],
+    loss_mask: Sequence[bool],
+    start: int,
+    grad_out: torch.Tensor,
+    grad_scale: float,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> WindowLoss:
+    """Cross-entropy of a window and grad_scale x its gradient w.r.t. the window's stream.
+
+    stream [n, hidden]: the last layer's output (before the final norm) at positions
+    [start, start + n) of a sequence whose tokens are `token_ids` (loss_mask alike).
+    grad_out [n, hidden] fp32 (the window's rows of the sequence's residual-gradient buffer)
+    receives grad_scale * d(sum of the window's CE)/d(stream), zero on rows without a target;
+    grad_scale is 1 / (loss tokens of the whole step) for a mean loss. One host sync, for the sum.
+    """
+    n, hidden = stream.shape
+    if tuple(grad_out.shape) != (n, hidden) or grad_out.dtype != torch.float32:
+        raise ValueError(f"grad_out must be fp32 [{n}, {hidden}], got {grad_out.dtype} "
+                         f"{tuple(grad_out.shape)}")
+    if len(loss_mask) != len(token_ids) or not 0 <= start <= len(token_ids) - n:
+        raise ValueError(f"window [{start}, {start + n}) does not fit {len(token_ids)} tokens with "
+                         f"{len(loss_mask)} mask entries")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    positions = [p for p in range(start, min(start + n, len(token_ids) - 1)) if loss_mask[p + 1]]
+    grad_out.zero_()
+    if not positions:
+        return WindowLoss(0.0, 0)
+    device = stream.device
+    rows = torch.tensor([p - start for p in positions], dtype=torch.int64).to(device)
+    targets = torch.tensor([token_ids[p + 1] for p in positions], dtype=torch.int64).to(device)
+    norm, weight = model.model.norm, model.lm_head.weight
+    loss_dtype = torch.float64 if weight.dtype == torch.float32 else torch.float32
+    total = torch.zeros((), dtype=loss_dtype, device=device)
+    for first in range(0, len(positions), chunk_rows):
+        index = rows[first:first + chunk_rows]
+        chunk_targets = targets[first:first + chunk_rows]
+        num = index.shape[0]
+        x = F.pad(stream.index_select(0, index), (0, 0, 0, max(0, MIN_GEMM_ROWS - num)))
+        logits = F.linear(rmsnorm_forward(x, norm.weight, norm.variance_epsilon), weight)
+        # The softmax in place in one wide copy, whose model-dtype source then takes the
+        # gradient: 6 bytes per logit at once for bf16 (1024 rows of Llama 3's 128,256: 0.79 GB),
+        # where log_softmax, exp and a cast would hold 10 (1.31 GB). The same math as
+        # log_softmax: log p = (x - max) - log(sum(exp(x - max))).
+        wide = logits.to(loss_dtype)
+        wide.sub_(wide.amax(dim=-1, keepdim=True))
+        shifted = wide[:num].gather(1, chunk_targets[:, None])
+        wide.exp_()
+        sums = wide.sum(dim=-1, keepdim=True)
+        total -= (shifted - sums[:num].log()).sum()
+        # d CE / d logits = softmax - onehot(target); padding rows get none
+        wide.div_(sums)
+        wide[num:] = 0.0
+        wide[:num].scatter_add_(1, chunk_targets[:, None], torch.full_like(shifted, -1.0))
+        torch.mul(wide, grad_scale, out=logits)  # the model-dtype gradient, cast once
+        del wide  # before the next chunk's logits exist
+        grad_hidden = (logits @ weight).float()
+        grad = rmsnorm_backward(x, norm.weight, norm.variance_epsilon, grad_hidden)
+        grad_out.index_copy_(0, index, grad[:num])
+        del logits
+    return WindowLoss(float(total), len(positions))

@@ -1,0 +1,1 @@
+"""Attention kernels: paged prefill, split-K decode, the paged KV-cache write."""

@@ -1,0 +1,1 @@
+"""LoRA kernels: serving (serve/) and fused training (train/)."""

@@ -1,0 +1,1 @@
+"""LoRAFusion's fused LoRA linear for training: forward, backward, dropout, references."""

@@ -1,0 +1,1 @@
+"""RMSNorm, rotary embedding, and rotary fused with the KV-cache write."""
