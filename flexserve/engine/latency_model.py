@@ -14,8 +14,8 @@ Model (fitted per device, model and dtype by `flexserve profile`; `docs/latency_
 
 T = total forward tokens. [T > 0] is the fixed cost of running the model at all (reading every
 weight once: a decode step at batch 1); the second indicator is the extra fixed cost of an
-iteration that is not decode-only (no CUDA graph replay; on the CPU, the prefill attention
-masks). The hinges at powers of two (up to the largest T profiled) bend the token cost upwards
+iteration that is not decode-only (a mixed-iteration graph instead of a decode one; on the CPU,
+the prefill attention masks). The hinges at powers of two (up to the largest T profiled) bend the token cost upwards
 where the GEMMs turn from memory bound to compute bound. decode_rows is per-row sampling,
 decode_context the KV every decode row reads, the attention term counts query-key pairs. A
 fine-tuning forward window pays its loss, LoRA segment and activation-store setup (c7) and per
