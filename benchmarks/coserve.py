@@ -9,6 +9,11 @@ attainment, inference throughput and the job's trained tokens/s over the run win
     python benchmarks/coserve.py                                  # the whole comparison, H200
     python benchmarks/coserve.py --policies coserve temporal-64   # a subset (appends lines)
     python benchmarks/coserve.py --plot-only RESULTS.jsonl --plot fig.svg
+    python benchmarks/coserve.py --trace --policies coserve dynamic-temporal --plot trace.svg
+
+With `--trace [FILE]` each policy replays an arrival trace once (FlexLLM figure 12's
+time-varying load; by default the shipped bursty trace, 2 -> 20 -> 2 req/s over 90 s) and the
+report is TPOT attainment and fine-tuning tokens/s per time bin, as a table and a plot.
 
 Configurations: coserve, temporal-N (fixed interleaving: one fine-tuning iteration per N
 inference iterations), dynamic-temporal, spatial, inference-only (no job) and finetune-only (the
@@ -51,6 +56,10 @@ from flexserve.bench.workload import PROMPT_WORDS, random_text
 DEFAULT_POLICIES = ["coserve", "temporal-64", "temporal-128", "dynamic-temporal", "spatial",
                     "inference-only", "finetune-only"]
 TEMPORAL_POLICIES = ("temporal-64", "temporal-128", "dynamic-temporal")
+# The shipped synthetic trace: Poisson arrivals ramping 2 -> 20 -> 2 req/s over 90 s
+# (`flexserve.bench.trace.bursty_trace(90, 2, 20, seed=0)`).
+DEFAULT_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces",
+                             "bursty-2-20-2.jsonl")
 TARGET_TPOT_ATTAINMENT = 0.95
 TARGET_FINETUNE_FRACTION = 0.76
 # Two runs reach "equal attainment" when their TPOT attainments differ by at most this.
@@ -175,13 +184,15 @@ def bench_argv(args: argparse.Namespace, url: str, policy: str, rate: float | No
     argv = ["--base-url", url, "--endpoint", "completions", "--dataset-name", "sharegpt-like",
             "--max-model-len", str(args.max_model_len),
             "--sharegpt-max-output-len", str(args.max_output_len),
-            "--burstiness", str(args.burstiness), "--duration", str(args.duration),
             "--slo-tpot-ms", str(args.slo_tpot_ms), "--slo-ttft-ms", str(args.slo_ttft_ms),
             "--seed", str(args.seed), "--disable-tqdm"]
-    if policy == "finetune-only":
-        argv += ["--num-prompts", "0"]
+    if args.trace:  # the trace's arrivals, until it ends
+        argv += ["--trace", args.trace, "--trace-bin-s", str(args.trace_bin_s)]
+    elif policy == "finetune-only":
+        argv += ["--num-prompts", "0", "--duration", str(args.duration)]
     else:
-        argv += ["--request-rate", str(rate)]
+        argv += ["--request-rate", str(rate), "--burstiness", str(args.burstiness),
+                 "--duration", str(args.duration)]
     if policy != "inference-only":
         argv += ["--finetune-file", finetune_file, "--finetune-lora-r", "16",
                  "--finetune-target-modules", "down_proj",
@@ -234,6 +245,7 @@ def result_row(base: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
     finetune = result["finetune"] or {}
     return {
         **base,
+        "timeline": result.get("timeline"),
         "num_requests": result["num_requests"], "num_completed": m["num_completed"],
         "num_failed": m["num_failed"], "first_errors": result["errors"],
         "tpot_attainment": m["slo_attainment"].get("tpot"),
@@ -284,6 +296,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     for policy in args.policies:
         groups.setdefault(tuple(server_policy_args(policy)), []).append(policy)
     base = {"model": args.model, "burstiness": args.burstiness, "duration_s": args.duration,
+            "trace": args.trace,
             "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms,
             "max_output_len": args.max_output_len, "finetune_lengths": args.finetune_lengths}
     rows: list[dict[str, Any]] = []
@@ -293,8 +306,9 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(format_row(row), flush=True)
 
     for policy_args, policies in groups.items():
-        runs = [(p, None if p == "finetune-only" else r)
-                for p in policies for r in ([None] if p == "finetune-only" else args.rates)]
+        runs = [(p, None if p == "finetune-only" or args.trace else r)
+                for p in policies
+                for r in ([None] if p == "finetune-only" or args.trace else args.rates)]
         extra = list(policy_args)
         if "--coserve-policy" not in flags:
             if policies != ["inference-only"]:
@@ -457,10 +471,77 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
     return True
 
 
+def trace_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per time bin of a trace replay: the arrival rate, and each policy's TPOT attainment and
+    fine-tuning tok/s, as markdown table lines."""
+    runs = [r for r in rows if not r.get("error") and r.get("timeline")]
+    if not runs:
+        return []
+    lines = ["| t (s) | req/s | " + " | ".join(
+        f"{r['policy']} TPOT att. (%) | {r['policy']} fine-tuning tok/s" for r in runs) + " |",
+             "|---:|---:|" + "---:|---:|" * len(runs)]
+    pct = lambda v: _fmt(None if v is None else 100 * v, ".0f")  # noqa: E731
+    for i, first in enumerate(runs[0]["timeline"]):
+        cells = []
+        for r in runs:
+            b = r["timeline"][i] if i < len(r["timeline"]) else {}
+            cells += [pct(b.get("tpot_attainment")), _fmt(b.get("finetune_tokens_per_s"), ".0f")]
+        lines.append(f"| {first['t_s']:g} | {first['request_rate']:.1f} | " + " | ".join(cells)
+                     + " |")
+    return lines
+
+
+def plot_trace(rows: list[dict[str, Any]], path: str) -> bool:
+    """TPOT attainment and fine-tuning tok/s over the time of a trace replay, per policy, with the
+    arrival rate; an SVG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not importable here: no plot (later: --plot-only {path!r})")
+        return False
+    runs = [r for r in rows if not r.get("error") and r.get("timeline")]
+    fig, (ax_slo, ax_ft) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for i, r in enumerate(runs):
+        ts = [b["t_s"] for b in r["timeline"]]
+        style = {"label": r["policy"], "color": f"C{i % 10}"}
+        ax_slo.plot(ts, [None if b["tpot_attainment"] is None else 100 * b["tpot_attainment"]
+                         for b in r["timeline"]], "o-", **style)
+        ax_ft.plot(ts, [b["finetune_tokens_per_s"] for b in r["timeline"]], "o-", **style)
+    if runs:
+        rate = ax_slo.twinx()
+        rate.step([b["t_s"] for b in runs[0]["timeline"]],
+                  [b["request_rate"] for b in runs[0]["timeline"]], where="post", color="gray",
+                  alpha=0.5)
+        rate.set_ylabel("arrivals (req/s)")
+    ax_slo.axhline(100 * TARGET_TPOT_ATTAINMENT, ls=":", color="gray")
+    ax_slo.set(ylabel="TPOT SLO attainment (%)", ylim=(0, 102))
+    ax_ft.set(xlabel="time (s)", ylabel="fine-tuning throughput (tokens/s)")
+    for ax in (ax_slo, ax_ft):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if runs:
+        fig.suptitle(f"{runs[0]['model']} on {runs[0]['gpu']}, {runs[0]['date']}: "
+                     f"{os.path.basename(runs[0].get('trace') or '')}")
+    fig.tight_layout()
+    fig.savefig(path, format="svg")
+    print(f"plot: {path}")
+    return True
+
+
 def report(rows: list[dict[str, Any]], plot_path: str | None) -> None:
     print(TABLE_HEADER)
     for row in rows:
         print(format_row(row))
+    traced = trace_table(rows)
+    if traced:
+        print()
+        print("\n".join(traced))
+        if plot_path:
+            plot_trace(rows, plot_path)
+        return
     print("\nTargets:")
     for line in evaluate_targets(rows):
         print(f"- {line}")
@@ -504,6 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=540.0,
                         help="skip runs that would end after this many seconds [%(default)s]")
     parser.add_argument("--seed", type=int, default=0, help="[%(default)s]")
+    parser.add_argument("--trace", nargs="?", const=DEFAULT_TRACE, default=None, metavar="FILE",
+                        help="replay a JSONL/CSV arrival trace (flexserve.bench.trace) once per "
+                             "policy instead of --rates; without FILE the shipped bursty trace "
+                             "(2 -> 20 -> 2 req/s over 90 s)")
+    parser.add_argument("--trace-bin-s", type=float, default=5.0,
+                        help="seconds per point of the trace's timeline [%(default)s]")
     harness.add_out_argument(parser, default=harness.AUTO_OUT, aliases=("--output",))
     parser.add_argument("--plot", default=None, help="SVG of attainment and fine-tuning tok/s")
     parser.add_argument("--plot-only", default=None, metavar="RESULTS.jsonl",

@@ -22,6 +22,7 @@ from flexserve.bench.metrics import (
     percentile,
 )
 from flexserve.bench.serve import parse_bench_serve_args, run_benchmark
+from flexserve.bench.trace import load_trace
 from flexserve.bench.workload import (
     MAX_SAMPLED_INPUT_LEN,
     MIN_SAMPLED_LEN,
@@ -602,3 +603,47 @@ def test_coserve_word_tokenizer_makes_one_token_per_word(coserve, tiny_config, t
 
     tiny_byte_level_tokenizer().save_pretrained(path)
     assert coserve.write_word_tokenizer(path, str(tmp_path / "tok2")) is None
+
+
+def test_bench_serve_replays_a_trace_against_the_real_server(tiny_server, tmp_path):
+    url, _ = tiny_server
+    path = tmp_path / "trace.jsonl"
+    rows = [{"arrival_time": 0.0, "input_len": 5, "output_len": 3}, {"arrival_time": 0.2},
+            {"arrival_time": 0.6, "output_len": 2}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_benchmark(parse_bench_serve_args([
+        "--base-url", url, "--trace", str(path), "--input-len", "4", "--output-len", "4",
+        "--slo-tpot-ms", "60000", "--trace-bin-s", "0.5", "--disable-tqdm"]))
+    records = result["requests"]
+    assert [r["scheduled_s"] for r in records] == [0.0, 0.2, 0.6]
+    assert [r["max_tokens"] for r in records] == [3, 4, 2]
+    assert [r["expected_prompt_len"] for r in records] == [5, 4, 4]
+    assert result["metrics"]["num_completed"] == 3
+    assert [b["requests"] for b in result["timeline"]] == [2, 1]
+    assert result["timeline"][0]["tpot_attainment"] == 1.0
+
+
+def test_coserve_trace_mode_replays_the_trace_and_tabulates_bins(coserve):
+    import argparse
+
+    args = argparse.Namespace(max_model_len=8192, max_output_len=256, slo_tpot_ms=50.0,
+                              slo_ttft_ms=5000.0, seed=0, trace=coserve.DEFAULT_TRACE,
+                              trace_bin_s=10.0, duration=8.0, burstiness=0.5,
+                              finetune_lengths=[1024, 8192])
+    argv = coserve.bench_argv(args, "http://x", "coserve", None, "train.jsonl")
+    parsed = parse_bench_serve_args(argv)
+    assert parsed.trace == coserve.DEFAULT_TRACE and parsed.trace_bin_s == 10.0
+    assert parsed.duration is None and "--request-rate" not in argv
+    entries = load_trace(coserve.DEFAULT_TRACE)  # the shipped trace: 2 -> 20 -> 2 req/s, 90 s
+    assert 600 <= len(entries) <= 1200 and entries[-1].arrival_s < 90.0
+
+    def run(policy, attainments, rates):
+        return {"policy": policy, "error": None, "timeline": [
+            {"t_s": 10.0 * i, "request_rate": 2.0 + i, "tpot_attainment": a,
+             "finetune_tokens_per_s": r} for i, (a, r) in enumerate(zip(attainments, rates))]}
+
+    lines = coserve.trace_table([run("coserve", [1.0, 0.95], [7000.0, 5000.0]),
+                                 run("dynamic-temporal", [1.0, None], [3000.0, None])])
+    assert lines[0].startswith("| t (s) | req/s | coserve TPOT att. (%)")
+    assert lines[2] == "| 0 | 2.0 | 100 | 7000 | 100 | 3000 |"
+    assert lines[3] == "| 10 | 3.0 | 95 | 5000 | - | - |"

@@ -11,10 +11,14 @@ With `--finetune-file` it also uploads the file, starts a LoRA fine-tuning job b
 and reports the job's fine-tuning tokens per second over the inference run window (first request
 sent to last request done), from `/metrics` (`flexserve:finetune_tokens_total{phase="forward"}`
 of the job), else from the job's `trained_tokens`. `--num-prompts 0 --duration S` measures the
-job alone for S seconds.
+job alone for S seconds. `--trace FILE` replays a trace's arrival times (and its prompt and
+output lengths where it has them) instead of the gamma process, and the result gains a
+`timeline`: per `--trace-bin-s` seconds, the arrival rate, the TPOT SLO attainment of the
+requests that arrived and the fine-tuning tokens per second.
 
-The workload (datasets, arrival times) is in `bench_workload`, the metrics in `bench_metrics` and
-the fine-tuning job in `bench_finetune`; this module sends the requests and holds the options.
+The workload (datasets, arrival times) is in `bench.workload`, traces in `bench.trace`, the
+metrics in `bench.metrics` and the fine-tuning job in `bench.finetune`; this module sends the
+requests and holds the options.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import random
 import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
@@ -39,6 +44,7 @@ from flexserve.bench.finetune import (
     error_message,
 )
 from flexserve.bench.metrics import RequestRecord, aggregate_metrics, format_report
+from flexserve.bench.trace import TraceEntry, load_trace, timeline
 from flexserve.bench.workload import (
     DATASET_NAMES,
     SHAREGPT_INPUT_MEDIAN,
@@ -51,6 +57,7 @@ from flexserve.bench.workload import (
     iter_random_requests,
     iter_sharegpt_like_requests,
     load_jsonl_requests,
+    random_text,
 )
 
 
@@ -167,11 +174,19 @@ def _check_args(args: argparse.Namespace) -> int | None:
         raise ValueError(f"--duration must be a finite number of seconds > 0, got "
                          f"{args.duration}")
     num = args.num_prompts
+    if args.trace:
+        if not math.isinf(args.request_rate):
+            raise ValueError("--trace gives the arrival times: drop --request-rate")
+        if not (args.trace_bin_s > 0 and math.isfinite(args.trace_bin_s)):
+            raise ValueError(f"--trace-bin-s must be a finite number > 0, got "
+                             f"{args.trace_bin_s}")
+        if not os.path.isfile(args.trace):
+            raise ValueError(f"--trace {args.trace!r} is not a file")
     if num is None:
-        num = None if args.duration is not None else 1000
+        num = None if args.duration is not None or args.trace else 1000
     elif num < 0:
         raise ValueError(f"--num-prompts must be >= 0, got {num}")
-    if num is None and math.isinf(args.request_rate):
+    if num is None and math.isinf(args.request_rate) and not args.trace:
         raise ValueError("--request-rate inf with --duration needs --num-prompts")
     if num == 0 and (args.duration is None or not args.finetune_file):
         raise ValueError("--num-prompts 0 measures a fine-tuning job alone: it needs "
@@ -217,6 +232,9 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                      args.slo_ttft_ms, args.slo_tpot_ms),
         "errors": [f"request {r.index}: {r.error}" for r in records if r.error][:5],
         "finetune": finetune,
+        "timeline": None if not args.trace else timeline(
+            [r.to_dict() for r in records], None if finetune is None else finetune["samples"],
+            args.trace_bin_s, args.slo_tpot_ms),
         "requests": [r.to_dict() for r in records],
     }
 
@@ -230,7 +248,12 @@ async def _send_all(args: argparse.Namespace, client: httpx.AsyncClient, model: 
 
     if monitor is not None:
         await monitor.submit()
-    arrivals = iter_arrival_times(args.request_rate, args.burstiness, args.seed)
+    if args.trace:
+        entries = load_trace(args.trace)
+        arrivals = (e.arrival_s for e in entries)
+        sampled = _with_trace_lengths(sampled, entries, args.seed)
+    else:
+        arrivals = iter_arrival_times(args.request_rate, args.burstiness, args.seed)
     semaphore = asyncio.Semaphore(args.max_concurrency or 1 << 30)
     progress = tqdm(total=num_requests, disable=args.disable_tqdm, desc="requests")
 
@@ -263,6 +286,21 @@ async def _send_all(args: argparse.Namespace, client: httpx.AsyncClient, model: 
     finally:
         progress.close()
     return records, time.perf_counter() - start
+
+
+def _with_trace_lengths(sampled: Iterator[SampledRequest], entries: list[TraceEntry],
+                        seed: int) -> Iterator[SampledRequest]:
+    """The dataset's requests, with a trace entry's prompt and output lengths where it has
+    them (a prompt of that many random words)."""
+    rng = random.Random(f"trace-{seed}")
+    for entry, request in zip(entries, sampled):
+        if entry.prompt_len is None and entry.output_len is None:
+            yield request
+            continue
+        prompt_len = entry.prompt_len or request.prompt_len
+        prompt = (random_text(rng, prompt_len) if entry.prompt_len is not None
+                  else request.prompt)
+        yield SampledRequest(prompt, prompt_len, entry.output_len or request.output_len)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -329,6 +367,13 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests to send [1000; unbounded with --duration]")
     group.add_argument("--duration", type=float, default=None,
                        help="stop sending after this many seconds (in-flight requests finish)")
+    group.add_argument("--trace", default=None, metavar="FILE",
+                       help="replay the arrival times (and prompt/output lengths where given) "
+                            "of a JSONL or CSV trace instead of --request-rate "
+                            "(flexserve.bench.trace)")
+    group.add_argument("--trace-bin-s", type=float, default=5.0,
+                       help="with --trace: seconds per bin of the result's timeline "
+                            "[%(default)s]")
     group.add_argument("--request-rate", type=float, default=float("inf"),
                        help="mean requests/s; inf sends all at once [%(default)s]")
     group.add_argument("--burstiness", type=float, default=1.0,
