@@ -55,12 +55,12 @@ def test_segments_match_meta_build(seed):
     assert token_slots.tolist() == meta.token_slots.tolist()
 
 
-def test_arena_leases_first_fit_and_clears():
+def test_arena_allocates_first_fit_and_clears():
     arena = ActivationArena(10, torch.device("cpu"))
-    assert arena.lease(4) == 0 and arena.lease(4) == 4
-    assert arena.lease(3) is None  # 2 rows left
+    assert arena.allocate(4) == 0 and arena.allocate(4) == 4
+    assert arena.allocate(3) is None  # 2 rows left
     arena.release(0)
-    assert arena.lease(3) == 0 and arena.lease(2) == 8
+    assert arena.allocate(3) == 0 and arena.allocate(2) == 8
     t = arena.tensor(0, "x", 5, torch.float32)
     assert t.shape == (11, 5) and arena.dump_row == 10
     with pytest.raises(ValueError, match="asked for"):

@@ -3,7 +3,7 @@ appendix D).
 
 A captured graph bakes in every pointer it touches, so the activation stores that a mixed
 iteration's graph writes cannot be fresh allocations per sequence. The arena holds one tensor per
-(layer, tensor name) of `num_rows + 1` rows; a sequence leases a row range [base, base + n) in all
+(layer, tensor name) of `num_rows + 1` rows; a sequence takes a row range [base, base + n) in all
 of them at once, and its `ActivationStore` buffers are views of that range. The last row is the
 dump row: padding entries of a graph's index writes land there. Row ranges are first-fit; a
 sequence that finds no room gets private buffers and its windows run eagerly.
@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 class ActivationArena:
-    """Row-leased activation buffers shared by every fine-tuning sequence of a worker."""
+    """Activation buffers in row ranges, shared by every fine-tuning sequence of a worker."""
 
     def __init__(self, num_rows: int, device: torch.device) -> None:
         if num_rows < 1:
@@ -27,7 +27,7 @@ class ActivationArena:
         self.num_rows = num_rows
         self.device = device
         self._tensors: dict[tuple[int, str], torch.Tensor] = {}
-        self._leases: dict[int, int] = {}  # base row -> rows, of ranges in use
+        self._ranges: dict[int, int] = {}  # base row -> rows, of ranges in use
 
     @property
     def dump_row(self) -> int:
@@ -38,20 +38,20 @@ class ActivationArena:
     def num_bytes(self) -> int:
         return sum(t.nbytes for t in self._tensors.values())
 
-    def lease(self, num_rows: int) -> int | None:
+    def allocate(self, num_rows: int) -> int | None:
         """The first free range of `num_rows` rows (its base), or None when none is free."""
         position = 0
-        for base in sorted(self._leases):
+        for base in sorted(self._ranges):
             if base - position >= num_rows:
                 break
-            position = max(position, base + self._leases[base])
+            position = max(position, base + self._ranges[base])
         if position + num_rows > self.num_rows:
             return None
-        self._leases[position] = num_rows
+        self._ranges[position] = num_rows
         return position
 
     def release(self, base: int) -> None:
-        self._leases.pop(base, None)
+        self._ranges.pop(base, None)
 
     def tensor(self, layer: int, name: str, width: int, dtype: torch.dtype) -> torch.Tensor:
         """The [num_rows + 1, width] tensor of (layer, name), allocated on first use; ValueError
@@ -67,9 +67,9 @@ class ActivationArena:
         return t
 
     def clear(self) -> None:
-        """Free every tensor (no sequence may hold a lease; graphs that wrote them must go)."""
-        if self._leases:
-            raise RuntimeError(f"{len(self._leases)} sequences still hold arena rows")
+        """Free every tensor (no sequence may hold rows; graphs that wrote them must go)."""
+        if self._ranges:
+            raise RuntimeError(f"{len(self._ranges)} sequences still hold arena rows")
         self._tensors.clear()
 
     def has(self, layer: int, name: str) -> bool:

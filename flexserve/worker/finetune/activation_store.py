@@ -117,7 +117,7 @@ class ActivationStore:
     lora_dropout > 0. The layers in `offload_layers` (all with the same plan) keep their buffers
     in host memory instead (`HostOffload`); the backward calls `prepare_layer` before a layer's
     first window; `offload_host_rows` sizes their host buffers (`HostOffload`). With an `arena`
-    (`ActivationArena`) and no offload, the buffers are views of a row range leased from it
+    (`ActivationArena`) and no offload, the buffers are views of a row range allocated from it
     (`arena_base`; None when it had no room), which CUDA graphs can write; `release` returns it.
     """
 
@@ -183,7 +183,7 @@ class ActivationStore:
         self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._row_bytes, 0)
         self.arena, self.arena_base = None, None
         if arena is not None and not offload and all(arena.has(*key) for key in self._widths):
-            self.arena_base = arena.lease(max_len)
+            self.arena_base = arena.allocate(max_len)
             if self.arena_base is not None:
                 self.arena = arena
         for layer, name in self._buffers:

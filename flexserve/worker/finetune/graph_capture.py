@@ -3,13 +3,13 @@
 `FinetuneCapture` (activation_store.py) copies each window's rows into its store with Python
 slicing, so what it launches depends on the step's windows. This capture launches the same work
 whatever the windows: for each tensor the plan keeps, one `copy_rows` of the flat batch's
-fine-tuning rows (`src`, a static index) into the activation arena (`dest`: the sequences' leased
+fine-tuning rows (`src`, a static index) into the activation arena (`dest`: the sequences'
 rows plus position) for the first `count` entries. The indices cover the whole token bucket, so
 one graph serves any windows of the same plan.
 
-Supported: stores leased from one `ActivationArena`, one kept-tensor set for every window (one
+Supported: stores allocated from one `ActivationArena`, one kept-tensor set for every window (one
 job, or jobs with one plan), no LoRA dropout, nothing kept as a bitmask or as `{target}_delta`
-(`FinetuneRunner.graph_windows` checks); other steps run eagerly.
+(`FinetuneRunner.graph_kept` checks); other steps run eagerly.
 """
 
 from __future__ import annotations
