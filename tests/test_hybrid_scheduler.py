@@ -15,11 +15,9 @@ import pytest
 from flexserve.config import CacheConfig, CoserveConfig, SchedulerConfig
 from flexserve.engine.finetune_scheduler import FinetuneJobState, TrainingSequence
 from flexserve.engine.hybrid_scheduler import (
-    FLOOR_SLACK,
     MAX_ITERATION_SLOS,
     TPOT_MEAN_WINDOW,
     WINDOW_ALIGNMENT,
-    _aligned,
 )
 from flexserve.engine.latency_model import IterationShape, plan_shape
 from flexserve.engine.plan import BatchPlan, StepResult

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from _hf_training import train_hf_peft
-
 from flexserve import LLM, SamplingParams
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.mixed_graphs import _segments, bucket, row_buckets, token_buckets
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+
+from _hf_training import train_hf_peft
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
 
 (row_copy,) = import_kernels(("flexserve_kernels.row_copy",),

@@ -37,8 +37,8 @@ from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.worker.finetune.graph_capture import GraphCapture, KeptTensor
 from flexserve_kernels.attention.decode import decode_num_splits
-from flexserve_kernels.lora.serve.meta import LoRAKernelMeta, segment_tile_map
 from flexserve_kernels.attention.paged import prefill_block_m
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta, segment_tile_map
 
 logger = logging.getLogger(__name__)
 

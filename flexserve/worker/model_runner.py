@@ -25,6 +25,7 @@ from flexserve.finetune.checkpoint import read_optimizer_state
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import set_forward_context
+from flexserve.layers.lora_linear import LoRALinear
 from flexserve.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -36,9 +37,8 @@ from flexserve.model.registry import ResolvedModel
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.peft_io import load_peft_adapter
-from flexserve.layers.lora_linear import LoRALinear
-from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.cuda_graphs import CUDAGraphRunner
+from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.finetune.graph_capture import GraphCapture
 from flexserve.worker.finetune.runner import FinetuneJobSpec, FinetuneRunner
 from flexserve.worker.kv_cache import (
