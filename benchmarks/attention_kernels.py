@@ -29,6 +29,7 @@ per kernel; it exits 1 if any kernel spills. tests/test_attention_kernels.py run
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -119,8 +120,8 @@ def sdpa_baseline(query, unpaged, rows, shape, timer) -> float | None:
     ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     for kk, vv, gqa in ((k, v, True), (ke, ve, False)):
         try:
-            times.append(timer(lambda: F.scaled_dot_product_attention(
-                q, kk, vv, attn_mask=mask, is_causal=causal, enable_gqa=gqa)))
+            times.append(timer(functools.partial(F.scaled_dot_product_attention, q, kk, vv, attn_mask=mask,
+                                                 is_causal=causal, enable_gqa=gqa)))
         except RuntimeError:
             pass
     return min(times) if times else None
@@ -154,8 +155,8 @@ def bench_prefill(case, shape, dtype, device, timer, sweep, kernels):
     if sweep:
         for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
             try:
-                us = timer(lambda: pa.paged_prefill_attention(*args, block_m=bm, block_n=bn,
-                                                              num_warps=warps, num_stages=stages))
+                us = timer(functools.partial(pa.paged_prefill_attention, *args, block_m=bm, block_n=bn,
+                                             num_warps=warps, num_stages=stages))
             except Exception as e:  # noqa: BLE001  (out of shared memory / registers: skip)
                 if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
                     raise
@@ -183,8 +184,8 @@ def bench_decode(batch_size, context, shape, dtype, device, timer, sweep, kernel
         splits = sorted({1, max(1, default_splits // 2), default_splits * 2, 4 * default_splits} - {default_splits})
         for bn, warps, stages, s in tiles + [(None, None, None, s) for s in splits]:
             try:
-                us = timer(lambda: da.decode_attention(*args, num_splits=s, block_n=bn, num_warps=warps,
-                                                       num_stages=stages))
+                us = timer(functools.partial(da.decode_attention, *args, num_splits=s, block_n=bn,
+                                             num_warps=warps, num_stages=stages))
             except Exception as e:  # noqa: BLE001
                 if "OutOfResources" not in type(e).__name__ and "out of resource" not in str(e):
                     raise
@@ -202,7 +203,12 @@ def bench_decode(batch_size, context, shape, dtype, device, timer, sweep, kernel
 
 def bench_fused(num_tokens, shape, dtype, device, timer, kernels):
     from flexserve.layers.rmsnorm import RMSNorm
-    from flexserve.layers.rotary import RotaryEmbedding, compute_inv_freq, get_rope_parameters, rotate
+    from flexserve.layers.rotary import (
+        RotaryEmbedding,
+        compute_inv_freq,
+        get_rope_parameters,
+        rotate,
+    )
 
     hidden, inter = shape["hidden"], shape["intermediate"]
     heads, kv_heads, head_dim = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
@@ -274,7 +280,11 @@ def compile_check(arch: int = 90) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flexserve_kernels import activation, decode_attention, kv_cache_write, paged_attention, rmsnorm, rotary
+    from flexserve_kernels import activation
+    from flexserve_kernels.attention import decode as decode_attention
+    from flexserve_kernels.attention import kv_cache_write
+    from flexserve_kernels.attention import paged as paged_attention
+    from flexserve_kernels.norm_rope import rmsnorm, rotary
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     # Strides that are not multiples of 16 in general (they scale with num_splits).
@@ -377,8 +387,10 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     import importlib
 
-    kernels = {name: importlib.import_module(f"flexserve_kernels.{name}") for name in (
-        "paged_attention", "decode_attention", "kv_cache_write", "rmsnorm", "rotary", "activation")}
+    kernels = {name: importlib.import_module(f"flexserve_kernels.{module}") for name, module in (
+        ("paged_attention", "attention.paged"), ("decode_attention", "attention.decode"),
+        ("kv_cache_write", "attention.kv_cache_write"), ("rmsnorm", "norm_rope.rmsnorm"),
+        ("rotary", "norm_rope.rotary"), ("activation", "activation"))}
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16  # the interpreter's dot has no bf16
     shape = SMOKE if args.smoke else LLAMA8B

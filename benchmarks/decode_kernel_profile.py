@@ -343,7 +343,7 @@ def main() -> None:
             raise RuntimeError("no CUDA graph for this batch size (is the runner eager?)")
         context = args.input_len + num_warmup  # K/V tokens each row's attention reads now
 
-        def replay() -> None:
+        def replay(graph=graph) -> None:
             graph.replay()
             torch.cuda.synchronize()
 

@@ -111,7 +111,8 @@ def main() -> None:
         forward_ms = graph_replay_ms(graph) if graph is not None else None
         hidden = torch.randn(batch, runner.hf_config.hidden_size, device="cuda",
                              dtype=torch.bfloat16)
-        lm_head_ms = harness.time_ms(lambda: runner.model.compute_logits(hidden).argmax(-1), iters=20)
+        lm_head_ms = harness.time_ms(lambda hidden=hidden: runner.model.compute_logits(hidden).argmax(-1),
+                                     iters=20)
         row = {"batch": batch, "step_wall_ms": round(harness.median(walls) * 1e3, 3),
                "forward_device_ms": forward_ms and round(forward_ms, 3),
                "lm_head_argmax_device_ms": round(lm_head_ms, 3)}

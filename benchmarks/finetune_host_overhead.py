@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import itertools
 import os
@@ -235,7 +236,7 @@ def measure(bench: Bench, window_tokens: int, windows_per_sequence: int, repeats
             start = bench.sequence(window_tokens * windows_per_sequence)
             plans = bench.forward_plans(start, window_tokens)
             bench.run(plans[0])
-            gpu.append(kernel_seconds(lambda: bench.run(plans[1])))
+            gpu.append(kernel_seconds(functools.partial(bench.run, plans[1])))
             bench.drop(start)
         backward = []
         if backward_repeats > 0:

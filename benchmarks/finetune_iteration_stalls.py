@@ -67,7 +67,7 @@ def main() -> None:
     from flexserve.engine import latency_model
     from flexserve.finetune.data import TrainingData, TrainingExample
     from flexserve.finetune.hyperparameters import Hyperparameters
-    from flexserve.worker import backward_ops
+    from flexserve.worker.finetune import backward_ops
 
     if args.allow_cudnn_sdpa:
         backward_ops.WINDOW_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION,

@@ -87,11 +87,10 @@ def main() -> None:
     phases = install_memory_phases() if args.memory_phases else None
 
     from flexserve import LLM
+    from flexserve.envs import window_attention
     from flexserve.finetune.data import TrainingData, TrainingExample
     from flexserve.finetune.hyperparameters import Hyperparameters
-    from flexserve.worker.finetune.backward_ops import window_attention_mode
-
-    from flexserve.worker import activation_store, layer_backward
+    from flexserve.worker.finetune import activation_store, layer_backward
 
     lora_kernel_dtypes, mask_dispatch = layer_backward.LORA_KERNEL_DTYPES, activation_store.use_triton
     capture = activation_store.FinetuneCapture
@@ -176,7 +175,7 @@ def main() -> None:
             "loss_chunk_rows": args.loss_chunk_rows,
             "lora_dropout": lora_dropout,
             "lora_backward": lora_backward,
-            "window_attention": window_attention_mode(),
+            "window_attention": window_attention(),
             "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
             "peak_extra_memory_gb": round(peak / 1e9, 3),
@@ -227,7 +226,9 @@ def install_memory_phases() -> dict[str, int]:
     backward windows by layer)."""
     import functools
 
-    from flexserve.worker import finetune_runner, layer_backward, model_runner
+    from flexserve.worker import model_runner
+    from flexserve.worker.finetune import layer_backward
+    from flexserve.worker.finetune import runner as finetune_runner
 
     phases: dict[str, int] = {}
     running: list[int] = []  # the peak so far of each part in progress (a part may nest another)
@@ -273,7 +274,9 @@ def install_timers() -> dict[str, float]:
     import functools
 
     from flexserve.finetune.optimizer import AdapterOptimizer
-    from flexserve.worker import finetune_runner, layer_backward, model_runner
+    from flexserve.worker import model_runner
+    from flexserve.worker.finetune import layer_backward
+    from flexserve.worker.finetune import runner as finetune_runner
 
     totals: dict[str, float] = {}
     depth = {"n": 0}

@@ -39,7 +39,6 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
 from benchmarks import harness  # noqa: E402
 
-
 # CPU time of this process, not wall time: other processes on a shared machine then barely move
 # the numbers (with one torch thread, CPU time is the wall time of an unpreempted run).
 clock = time.process_time

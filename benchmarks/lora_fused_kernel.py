@@ -15,6 +15,7 @@ the JSON lines give microseconds per layer (replay time / layers).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -93,7 +94,7 @@ def bench_layer_graph(
         if smoke:
             run(path)
             continue
-        graph = harness.cuda_graph(lambda: run(path))  # the kernels compile outside the capture
+        graph = harness.cuda_graph(functools.partial(run, path))  # the kernels compile outside the capture
         us_per_layer = harness.mean_ms(graph.replay, iters=replays, warmup=3) * 1e3 / num_layers
         row[f"{path}_us_per_layer"] = round(us_per_layer, 2)
         row[f"{path}_launches_per_layer"] = num_launches

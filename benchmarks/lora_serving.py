@@ -45,7 +45,8 @@ def write_random_adapter(path: str, hf_config, rank: int, seed: int) -> None:
     for layer in range(hf_config.num_hidden_layers):
         for name, (fan_in, fan_out) in shapes.items():
             prefix = f"base_model.model.model.layers.{layer}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(torch.bfloat16)
+            lora_a = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+            tensors[f"{prefix}.lora_A.weight"] = lora_a.to(torch.bfloat16)
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -134,7 +135,8 @@ def main() -> None:
     for r in results:
         overhead = f"{r['tpot_ms'] / base[r['batch']] - 1:+.1%}" if r["batch"] in base else "-"
         spread = f"{r['tpot_ms_min']}-{r['tpot_ms_max']}"
-        print(f"{r['batch']:>5} {r['num_adapters']:>8} {r['tpot_ms']:>8} {spread:>15} {overhead:>8} {r['output_tok_s']:>10}")
+        print(f"{r['batch']:>5} {r['num_adapters']:>8} {r['tpot_ms']:>8} {spread:>15} {overhead:>8} "
+              f"{r['output_tok_s']:>10}")
 
 
 if __name__ == "__main__":

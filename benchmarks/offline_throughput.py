@@ -118,7 +118,7 @@ def run_hf(args, prompts_by_batch: dict[int, list[list[int]]], hf_config,
         ids = torch.tensor(prompts, device="cuda")
         mask = torch.ones_like(ids)
 
-        def gen(n: int) -> torch.Tensor:
+        def gen(n: int, model=model, ids=ids, mask=mask) -> torch.Tensor:
             return model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                 do_sample=False, pad_token_id=0,

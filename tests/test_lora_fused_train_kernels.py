@@ -110,7 +110,7 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, rel: float) -
     assert bool((err <= bound).all()), f"{name}: max error {worst:.3g} vs max |ref| {scale:.3g}"
 
 
-@pytest.mark.parametrize("base_gemm", ["blas", "triton"])
+@pytest.mark.parametrize("base_gemm", ["blas"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_and_gradients_match_reference(name, base_gemm):
     got, want = run_both(CASES[name], base_gemm=base_gemm)
@@ -123,7 +123,7 @@ def test_forward_and_gradients_match_reference(name, base_gemm):
         assert bool((got[2][slot, rank:] == 0).all()) and bool((got[3][slot, :, rank:] == 0).all())
 
 
-# base_gemm="tma" reads x, W and dY through tensor descriptors, whose rows must start at 16-byte
+# base_gemm="tma" reads x and W through tensor descriptors, whose rows must start at 16-byte
 # boundaries: in and out sizes are multiples of 8 here (bf16 and fp32 alike); tokens stay odd.
 TMA_CASE = Case(40, 56, 16, (16, 3, 7), (0.1, 0.0, 0.1), (5, 4, 7, 6, 3, 2), (0, -1, 1, 2, 0, -1))
 
@@ -132,24 +132,6 @@ def test_tma_form_matches_reference():
     got, want = run_both(TMA_CASE, base_gemm="tma")
     for name, g, w in zip(("y", "dx", "dA", "dB"), got, want):
         assert_close(name, g, w, 1e-4)
-
-
-@pytest.mark.parametrize("epilogue_split, blocks", [(1, (16, 32, 32)), (2, (16, 32, 32)), (4, (16, 64, 32))])
-def test_tma_dx_epilogue_in_column_parts_matches_blas_form(epilogue_split, blocks):
-    # Kernel 4 over TMA with its epilogue (LoRA term with dropout, store) whole or in 2 or 4 column
-    # parts of the tile, against the blas form; in = 40 leaves the last column tile partial.
-    from flexserve_kernels.lora.train.fused_tma import dx_bwd_tma
-
-    x, weight, lora_a, _, meta, scalings = make_inputs(TMA_CASE)
-    slots = fused.LoRATrainSlots.build(scalings, list(TMA_CASE.dropout_ps), DEVICE)
-    g = torch.Generator().manual_seed(2)
-    dy = torch.randn(x.shape[0], TMA_CASE.out_size, generator=g).to(DEVICE)
-    ds = torch.randn(x.shape[0], TMA_CASE.max_rank, generator=g).to(DEVICE)
-    token_segs = fused.token_segments(meta)
-    want = linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 7, base_gemm="blas")
-    got = torch.full_like(want, float("nan"))
-    dx_bwd_tma(dy, weight, ds, lora_a, got, token_segs, meta, slots, 7, blocks=blocks, epilogue_split=epilogue_split)
-    assert_close("dX", got, want.float(), 1e-4)
 
 
 # Row tiles of 16 over these rows: one adapter (slot 1), slot 1 then none, none at all, one
@@ -627,7 +609,7 @@ def test_invalid_arguments_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "auto"])
+@pytest.mark.parametrize("base_gemm", ["blas", "tma", "auto"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_gpu_matches_reference(name, base_gemm):
     if base_gemm == "tma" and CASES[name].max_rank > 32:
@@ -640,7 +622,7 @@ def test_bf16_gpu_matches_reference(name, base_gemm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("base_gemm", ["blas", "triton", "tma", "auto"])
+@pytest.mark.parametrize("base_gemm", ["blas", "tma", "auto"])
 def test_bf16_gpu_autotuned_tiles_four_adapters(base_gemm):
     # Autotuned 64-256-wide tiles over 4 adapters (ranks 16, 8, 16, 4), base rows between them.
     case = Case(128, 96, 16, (16, 8, 16, 4), (0.1, 0.0, 0.05, 0.1), (70, 9, 61, 33, 50), (0, -1, 1, 2, 3))
@@ -716,11 +698,6 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, strea
         sys.exit(f"{fn.__name__} {consts}: the main loop's loads are not pipelined")
     check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
-for shapes, fn, extra in ((kf.FWD_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
-                          (kb.DX_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel,
-                           {"HAS_DROPOUT": True, "SPLIT_DS": False})):
-    for c in kf.gemm_configs(shapes):
-        compile_one(fn, dict(c.kwargs, BLOCK_R=16, HAS_BASE=True, **extra), c.num_warps, c.num_stages, gemm=True)
 # The LoRA terms alone (base_gemm="blas"), at ranks 16 and 128.
 for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
                           (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel,
@@ -728,7 +705,7 @@ for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kern
     for i, c in enumerate(kf.gemm_configs(shapes)):
         # the candidates kept above rank 32
         for rank in (16, 32) + ((64, 128) if i < kf.WIDE_RANK_TERM_CONFIGS else ()):
-            compile_one(fn, dict(c.kwargs, BLOCK_R=rank, HAS_BASE=False, **extra), c.num_warps, c.num_stages)
+            compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages)
 # Kernel 1 as the launcher runs it on CUDA, by rank: split over in_size and not (the split
 # count is a runtime argument), column keys loaded or mixed in the kernel, and without dropout;
 # and the engine's form (each row's dropout from its window, S in fp32); x streamed through cp.async.
@@ -757,7 +734,7 @@ for rank in (16, 32, 128):
                          BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank), 4 if rank <= 32 else 8, 3)
     # The engine's dX term (`lora_train_dx_term`: 32 x 128 tiles at 4 warps up to rank 64, 64 x 128
     # at 8 above; dS split in two).
-    compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_BASE=False, HAS_DROPOUT=True, SPLIT_DS=True,
+    compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=True,
                                                    BLOCK_M=32 if rank <= 64 else 64, BLOCK_N=128, BLOCK_K=16,
                                                    BLOCK_R=rank, GROUP_M=4), 4 if rank <= 64 else 8, 1)
 # 4's term and 5 in one pass, with the launcher's tiles, up to the rank it takes.
@@ -772,14 +749,10 @@ for accumulate in (False, True):
                                                         UNROLL=kb.SUM_UNROLL), 2, 1)
 compile_one(kb._sum_parts_kernel, dict(BLOCK=kb.SUM_BLOCK, UNROLL=kb.SUM_UNROLL), 2, 1)
 # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
-for shapes, fn, operands, names, extra in ((kt.FWD_TMA_CONFIG_SHAPES, kt._lora_train_linear_fwd_tma_kernel,
-                                           kt._FWD_OPERANDS, kt._FWD_EXTRAS, {"MIN_PART": kt.MIN_PART_K_BLOCKS}),
-                                          (kt.DX_TMA_CONFIG_SHAPES, kt._lora_train_dx_bwd_tma_kernel, kt._DX_OPERANDS,
-                                           kt._DX_EXTRAS, {"HAS_DROPOUT": True})):
-    for c in kt._configs(shapes, operands, names):
-        for rank in (16, kt.MAX_TMA_RANK):
-            compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages, gemm=True,
-                        descs={operand[0]: operand for operand in operands})
+for c in kt._configs(kt.FWD_TMA_CONFIG_SHAPES, kt._FWD_OPERANDS, kt._FWD_EXTRAS):
+    for rank in (16, kt.MAX_TMA_RANK):
+        compile_one(kt._lora_train_linear_fwd_tma_kernel, dict(c.kwargs, BLOCK_R=rank, MIN_PART=kt.MIN_PART_K_BLOCKS),
+                    c.num_warps, c.num_stages, gemm=True, descs={operand[0]: operand for operand in kt._FWD_OPERANDS})
 print("ok")
 """
 
@@ -804,9 +777,8 @@ def test_benchmark_smoke_writes_json_lines(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["path"] for r in rows) == ["base", "base", "engine", "engine", "fused", "fused_blas", "fused_multi",
-                                               "fused_multi_blas", "fused_multi_tma", "fused_multi_triton", "fused_tma",
-                                               "fused_triton", "kernel1", "kernel1", "kernel2", "kernel2", "torch_lora",
-                                               "torch_multi"]
+                                               "fused_multi_blas", "fused_multi_tma", "fused_tma", "kernel1", "kernel1",
+                                               "kernel2", "kernel2", "torch_lora", "torch_multi"]
     assert {r["num_adapters"] for r in rows} == {1, 4}
     assert all(r["fused_max_rel_err"] < 1e-5 and r["fused_tma_max_rel_err"] < 1e-5 and r["fwd_ms"] > 0
                and (r["path"] in ("engine", "kernel1", "kernel2") or r["fwd_bwd_ms"] > 0) for r in rows)
@@ -833,8 +805,7 @@ def test_autotuned_launches_run_every_config(monkeypatch):
         calls.append(1)
         return [float(len(calls))] * 3  # the first config "wins"
 
-    for tuner in (fused._linear_fwd_tuned, fused._linear_term_tuned, fused_bwd._dx_bwd_tuned,
-                  fused_bwd._dx_term_tuned):
+    for tuner in (fused._linear_term_tuned, fused_bwd._dx_term_tuned):
         monkeypatch.setattr(tuner, "_do_bench", run_once)
     case = CASES["multi-r16.3.7-p0.1"]
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
@@ -843,27 +814,23 @@ def test_autotuned_launches_run_every_config(monkeypatch):
     s = fused.lora_train_shrink_fwd(x, lora_a, meta, slots, 3)
     dy = torch.randn(x.shape[0], case.out_size, generator=torch.Generator().manual_seed(2))
     ds, _ = fused_bwd.lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
-    for base_gemm in ("blas", "triton"):
-        y = linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=base_gemm,
-                                        autotune=True)
-        dx = linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, base_gemm=base_gemm,
-                                         autotune=True)
-        assert_close("y", y, linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
-        assert_close("dx", dx, linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
-    assert len(calls) == sum(len(shapes) for shapes in (fused.FWD_CONFIG_SHAPES, fused.TERM_CONFIG_SHAPES,
-                                                        fused_bwd.DX_CONFIG_SHAPES, fused_bwd.DX_TERM_CONFIG_SHAPES))
+    y = linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, autotune=True)
+    dx = linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, autotune=True)
+    assert_close("y", y, linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
+    assert_close("dx", dx, linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
+    assert len(calls) == len(fused.TERM_CONFIG_SHAPES) + len(fused_bwd.DX_TERM_CONFIG_SHAPES)
 
 
 def test_auto_base_gemm_takes_tma_forward_only_where_it_runs():
     # "auto": kernel 2 timed between its blas and TMA forms on a Hopper GPU (ranks up to
     # MAX_TMA_RANK, 16-byte rows), kernel 4 on cuBLAS; CPU (the interpreter) and wide ranks get
-    # "blas" both ways. Other values are both.
+    # "blas" both ways. Other values are the forward's form; the backward's is always "blas".
     from flexserve_kernels.lora.train.fused_tma import MAX_TMA_RANK
 
     x, weight = torch.zeros(8, 64), torch.zeros(32, 64)
     assert linear.base_gemm_forms("auto", x, weight, 16) == ("blas", "blas")
     for form in fused.BASE_GEMMS:
-        assert linear.base_gemm_forms(form, x, weight, 16) == (form, form)
+        assert linear.base_gemm_forms(form, x, weight, 16) == (form, "blas")
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         x, weight = x.cuda().bfloat16(), weight.cuda().bfloat16()
         assert linear.base_gemm_forms("auto", x, weight, MAX_TMA_RANK) == ("auto", "blas")

@@ -59,12 +59,13 @@ def main() -> None:
         nbytes = n * k * 2
         for rows in (1, 2, 4):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            us = graph_us(lambda: [F.linear(x, w) for w in weights], len(weights))
+            us = graph_us(lambda x=x, weights=weights: [F.linear(x, w) for w in weights], len(weights))
             emit(shape=name, m=rows, impl="cublas", us=round(us, 2), tbps=round(nbytes / us / 1e6, 3))
             configs = CONFIGS if rows == 1 else [c for _, c in best[name][:12]]
             results = []
             for config in tqdm(configs, desc=f"{name} x {rows} rows", leave=False):
-                us = graph_us(lambda: [gemv(x, w, config=config) for w in weights], len(weights))
+                us = graph_us(lambda x=x, weights=weights, config=config: [gemv(x, w, config=config) for w in weights],
+                              len(weights))
                 results.append((us, config))
             results.sort(key=lambda r: r[0])
             if rows == 1:
@@ -79,13 +80,15 @@ def main() -> None:
     for rows in (1, 32):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         emit(shape="lm_head+float", m=rows, impl="cublas",
-             us=round(graph_us(lambda: [F.linear(x, w).float() for w in weights], 4), 2))
+             us=round(graph_us(lambda x=x: [F.linear(x, w).float() for w in weights], 4), 2))
         if rows == 1:
             emit(shape="lm_head+float", m=rows, impl="gemv",
-                 us=round(graph_us(lambda: [gemv(x, w, out_dtype=torch.float32) for w in weights], 4), 2))
+                 us=round(graph_us(lambda x=x: [gemv(x, w, out_dtype=torch.float32) for w in weights], 4), 2))
         logits = [torch.randn(rows, n, device="cuda") for _ in range(8)]
-        emit(shape="argmax", m=rows, impl="torch", us=round(graph_us(lambda: [t.argmax(-1) for t in logits], 8), 2))
-        emit(shape="argmax", m=rows, impl="triton", us=round(graph_us(lambda: [argmax(t) for t in logits], 8), 2))
+        torch_us = graph_us(lambda logits=logits: [t.argmax(-1) for t in logits], 8)
+        triton_us = graph_us(lambda logits=logits: [argmax(t) for t in logits], 8)
+        emit(shape="argmax", m=rows, impl="torch", us=round(torch_us, 2))
+        emit(shape="argmax", m=rows, impl="triton", us=round(triton_us, 2))
 
 
 if __name__ == "__main__":

@@ -39,13 +39,13 @@ def main() -> None:
         d_s = torch.randn(n, RANK, device="cuda")  # dL/dS, fp32
         d_y = torch.randn(n, HIDDEN, device="cuda", dtype=bf16)
 
-        def sixteen_bit():
+        def sixteen_bit(act=act, d_s=d_s, d_y=d_y):
             split = split_bf16(d_s)
             pair = mm_fp32(split.T, act)
             pair[:RANK] + pair[RANK:]  # dA
             return addmm_fp32(mm_fp32(split, torch.cat([lora_a, lora_a])), d_y, weight)
 
-        def widened():
+        def widened(act=act, d_s=d_s, d_y=d_y):
             d_s.T @ act.float()  # dA
             return (d_s @ lora_a.float()).add_(d_y @ weight)
 

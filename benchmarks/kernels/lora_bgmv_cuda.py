@@ -30,6 +30,7 @@ e.g. --rank 128, unfolds it). A table of TPOT per backend follows the JSON lines
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -119,7 +120,7 @@ def bench_kernels(batch: int, *, num_layers: int, rank: int, num_slots: int, rep
                device=harness.gpu_name(),
                cuda_vs_triton_max_abs_diff=(results["cuda_bgmv"] - results["triton_bgmv"]).abs().max().item())
     for path in PATHS:
-        graph = harness.cuda_graph(lambda: run(path))  # the Triton kernels compile outside the capture
+        graph = harness.cuda_graph(functools.partial(run, path))  # the Triton kernels compile outside the capture
         us_per_layer = harness.mean_ms(graph.replay, iters=replays, warmup=3) * 1e3 / num_layers
         row[f"{path}_us_per_layer"] = round(us_per_layer, 2)
         del graph
@@ -131,8 +132,8 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
     from benchmarks.lora_serving import write_random_adapter
     from flexserve import LLM, SamplingParams
     from flexserve.engine.lora_request import LoRARequest
+    from flexserve.envs import lora_decode_backend
     from flexserve.model.registry import resolve_model
-    from flexserve_kernels.lora.serve.cuda_ext import decode_backend
 
     hf_config = resolve_model(args.model, "dummy").hf_config
     workdir = tempfile.mkdtemp(prefix="flexserve-bgmv-bench-")
@@ -146,7 +147,7 @@ def bench_e2e_one(args: argparse.Namespace) -> None:
               max_num_seqs=max(args.batches), gpu_memory_utilization=args.gpu_memory_utilization,
               enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank, warmup=False)
     runner = llm.engine.executor
-    backend = decode_backend()
+    backend = lora_decode_backend()
     g = torch.Generator().manual_seed(0)
     for batch in args.batches:
         prompts = torch.randint(100, hf_config.vocab_size - 100, (batch, args.input_len), generator=g).tolist()

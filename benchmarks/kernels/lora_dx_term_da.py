@@ -27,6 +27,7 @@ One JSON line per shape to stdout and appended to --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -54,9 +55,8 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from flexserve_kernels.lora.train.fused import LoRATrainSlots
-    from flexserve_kernels.lora.train.fused_bwd import lora_train_da_bwd, lora_train_dx_term, lora_train_dx_term_da_bwd
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots
 
     device = torch.device("cuda")
     flush = harness.l2_flush_buffer(device)
@@ -74,41 +74,56 @@ def main() -> None:
         slots = LoRATrainSlots.build([1.0], [args.dropout], device)
         row = dict(m=m, in_size=k, rank=args.rank, dropout=args.dropout)
         for dtype, name in ((torch.float32, "engine_fp32"), (torch.bfloat16, "blas_bf16")):
-            split = dtype == torch.float32  # the engine's form
-            floor = torch.empty(m, k, device=device, dtype=dtype)
-            row[f"{name}_floor_us"] = bench(lambda: floor.copy_(x))
-
-            def two_kernels():
-                da = lora_train_da_bwd(x, ds, lora_a, meta, slots, 5, split_ds=split)
-                return lora_train_dx_term(ds, lora_a, meta, slots, 5, out_dtype=dtype, split_ds=split), da
-
-            def one_pass(**tiles):
-                return lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 5, out_dtype=dtype, split_ds=split,
-                                                 **tiles)
-
-            want_term, want_da = two_kernels()
-            row[f"{name}_two_kernels_us"] = bench(two_kernels)
-            row[f"{name}_dx_term_us"] = bench(lambda: lora_train_dx_term(ds, lora_a, meta, slots, 5, out_dtype=dtype,
-                                                                         split_ds=split))
-            row[f"{name}_da_us"] = bench(lambda: lora_train_da_bwd(x, ds, lora_a, meta, slots, 5, split_ds=split))
-            for variant in ((None, None, None, None, 8),) + VARIANTS:
-                bm, bk, warps, per_sm, chunks = variant
-                tiles = dict(block_m=bm, block_k=bk, num_warps=warps, per_sm=per_sm, max_chunks=chunks)
-                term, da = one_pass(**tiles)
-                if not torch.equal(term, want_term):
-                    raise AssertionError(f"{name} {variant}: the term differs from kernel 4's")
-                err = (da.float() - want_da.float()).abs().max().item()
-                if err > 2 ** -7 * want_da.float().abs().max().item():
-                    raise AssertionError(f"{name} {variant}: dA differs from kernel 5's by {err:.3g}")
-                label = "default" if bm is None else f"{bm}x{bk}_w{warps}_sm{per_sm}_c{chunks}"
-                row[f"{name}_one_pass_{label}_us"] = bench(lambda: one_pass(**tiles))
-            for (bm, bn), warps in itertools.product(TERM_TILES, TERM_WARPS) if args.term_tiles else ():
-                run = lambda: lora_train_dx_term(ds, lora_a, meta, slots, 5, out_dtype=dtype,  # noqa: E731
-                                                 split_ds=split, blocks=(bm, bn), num_warps=warps)
-                if not torch.equal(run(), want_term):
-                    raise AssertionError(f"{name}: the term at {bm} x {bn}, {warps} warps differs from the default")
-                row[f"{name}_term_{bm}x{bn}_w{warps}_us"] = bench(run)
+            row.update(bench_form(bench, name, dtype, x, ds, lora_a, meta, slots, args.term_tiles))
         writer.write(row)
+
+
+def bench_form(bench, name, dtype, x, ds, lora_a, meta, slots, term_tiles: bool) -> dict:
+    """Times of one output dtype's forms at one shape ({f"{name}_<form>_us": us}); checks every
+    one-pass variant against the two kernels."""
+    import torch
+
+    from flexserve_kernels.lora.train.fused_bwd import (
+        lora_train_da_bwd,
+        lora_train_dx_term,
+        lora_train_dx_term_da_bwd,
+    )
+
+    m, k = x.shape
+    row = {}
+    split = dtype == torch.float32  # the engine's form
+    floor = torch.empty(m, k, device=x.device, dtype=dtype)
+    row[f"{name}_floor_us"] = bench(functools.partial(floor.copy_, x))
+    term = functools.partial(lora_train_dx_term, ds, lora_a, meta, slots, 5, out_dtype=dtype, split_ds=split)
+    da_alone = functools.partial(lora_train_da_bwd, x, ds, lora_a, meta, slots, 5, split_ds=split)
+    one_pass = functools.partial(lora_train_dx_term_da_bwd, x, ds, lora_a, meta, slots, 5, out_dtype=dtype,
+                                 split_ds=split)
+
+    def two_kernels():
+        da = da_alone()
+        return term(), da
+
+    want_term, want_da = two_kernels()
+    row[f"{name}_two_kernels_us"] = bench(two_kernels)
+    row[f"{name}_dx_term_us"] = bench(term)
+    row[f"{name}_da_us"] = bench(da_alone)
+    for variant in ((None, None, None, None, 8),) + VARIANTS:
+        bm, bk, warps, per_sm, chunks = variant
+        tiles = dict(block_m=bm, block_k=bk, num_warps=warps, per_sm=per_sm, max_chunks=chunks)
+        got_term, da = one_pass(**tiles)
+        if not torch.equal(got_term, want_term):
+            raise AssertionError(f"{name} {variant}: the term differs from kernel 4's")
+        err = (da.float() - want_da.float()).abs().max().item()
+        if err > 2 ** -7 * want_da.float().abs().max().item():
+            raise AssertionError(f"{name} {variant}: dA differs from kernel 5's by {err:.3g}")
+        label = "default" if bm is None else f"{bm}x{bk}_w{warps}_sm{per_sm}_c{chunks}"
+        row[f"{name}_one_pass_{label}_us"] = bench(functools.partial(one_pass, **tiles))
+    for (bm, bn), warps in itertools.product(TERM_TILES, TERM_WARPS) if term_tiles else ():
+        run = functools.partial(term, blocks=(bm, bn), num_warps=warps)
+        if not torch.equal(run(), want_term):
+            raise AssertionError(f"{name}: the term at {bm} x {bn}, {warps} warps differs from the default")
+        row[f"{name}_term_{bm}x{bn}_w{warps}_us"] = bench(run)
+    return row
 
 
 if __name__ == "__main__":

@@ -119,8 +119,9 @@ def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
     """(kernel 1 alone, kernel 2 alone given its S, kernel 2's form, the TMA form's tiles and tail
     plan on a Hopper GPU, else {}): the two launches of the fused forward at seed 1234, kernel 2 in
     the form base_gemm="auto" runs here (timed once per shape)."""
-    from flexserve_kernels.lora.train.fused import lora_train_linear_fwd, lora_train_shrink_fwd, run_forms, token_segments
+    from flexserve_kernels.lora.train.fused import lora_train_shrink_fwd, token_segments
     from flexserve_kernels.lora.train.fused_tma import last_forward_plan, tma_forward_runs
+    from flexserve_kernels.lora.train.linear import lora_train_linear_fwd, run_forms
 
     token_segs = token_segments(meta)
     s = lora_train_shrink_fwd(x, lora_a, meta, slots, 1234)
@@ -134,9 +135,10 @@ def fused_kernels(x, weight, lora_a, lora_b, meta, slots):
 
 
 def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> list[dict]:
-    from flexserve_kernels.lora.train.fused import LoRATrainSlots, fused_lora_linear
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
     from flexserve_kernels.lora.serve.ops import lora_expand, lora_shrink
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots
+    from flexserve_kernels.lora.train.linear import fused_lora_linear
 
     g = torch.Generator().manual_seed(m + size + num_adapters)
     n = k = size

@@ -43,17 +43,18 @@ def main() -> None:
 
     import torch
 
+    from benchmarks.kernels.lora_fused_train import peft_linear
+    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
     from flexserve_kernels.lora.train.fused import (
         LoRATrainSlots,
-        fused_lora_linear,
-        lora_train_linear_fwd,
         lora_train_shrink_fwd,
         token_segments,
     )
-    from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
-    from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
-
-    from benchmarks.kernels.lora_fused_train import peft_linear
+    from flexserve_kernels.lora.train.fused_bwd import (
+        lora_train_ds_db_bwd,
+        lora_train_dx_term_da_bwd,
+    )
+    from flexserve_kernels.lora.train.linear import fused_lora_linear, lora_train_linear_fwd
 
     device, dtype, m, size, rank = torch.device("cuda"), torch.bfloat16, args.tokens, args.size, args.rank
     x = torch.randn(m, size, device=device, dtype=dtype).requires_grad_()

@@ -18,6 +18,7 @@ best, ratio) and a table of every candidate's time over the default's per shape 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from pathlib import Path
@@ -56,9 +57,12 @@ def main() -> None:
     import torch
     from tqdm.auto import tqdm
 
-    from flexserve_kernels.lora.train.fused import LoRATrainSlots, lora_train_shrink_fwd
-    from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd, lora_train_dx_term_da_bwd
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots, lora_train_shrink_fwd
+    from flexserve_kernels.lora.train.fused_bwd import (
+        lora_train_ds_db_bwd,
+        lora_train_dx_term_da_bwd,
+    )
 
     device, dtype, rank = torch.device("cuda"), torch.bfloat16, args.rank
     flush = harness.l2_flush_buffer(device)
@@ -87,15 +91,15 @@ def main() -> None:
         s = lora_train_shrink_fwd(x, lora_a, meta, slots, 1234)
         ds, _ = lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
         calls = {
-            "ds_db": lambda kw: lora_train_ds_db_bwd(dy, lora_b, s, meta, slots, **kw),
-            "term_da": lambda kw: lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 1234, **kw),
-            "shrink": lambda kw: lora_train_shrink_fwd(x, lora_a, meta, slots, 1234, **kw),
+            "ds_db": functools.partial(lora_train_ds_db_bwd, dy, lora_b, s, meta, slots),
+            "term_da": functools.partial(lora_train_dx_term_da_bwd, x, ds, lora_a, meta, slots, 1234),
+            "shrink": functools.partial(lora_train_shrink_fwd, x, lora_a, meta, slots, 1234),
         }
         for kernel, candidates in (("ds_db", DS_DB), ("term_da", TERM_DA), ("shrink", SHRINK)):
             times = []
             for config in candidates:
                 kwargs = dict(zip(KEYS[kernel], config)) if config else {}
-                us = gpu_us(lambda: calls[kernel](kwargs))
+                us = gpu_us(functools.partial(calls[kernel], **kwargs))
                 times.append(us)
                 table.setdefault((kernel, config), {})[(m, size)] = us
                 writer.write(dict(m=m, n=size, k=size, rank=rank, dropout=args.dropout, kernel=kernel,

@@ -2,8 +2,8 @@
 
 For m in {2048, 4096, 8192} x in_size in {4096, 5120, 8192}, rank 16, bf16, one adapter slot over
 all tokens, dropout 0.1 and 0.0, times `lora_train_shrink_fwd` in several configurations:
-  old        the unsplit kernel: num_splits=1 (autotuned over SHRINK_CONFIG_SHAPES), column keys
-             mixed in the kernel (key_table=False);
+  unsplit    the unsplit kernel: num_splits=1 with the default tiles, column keys mixed in the
+             kernel (key_table=False);
   default    the launcher's CUDA default (split-K by `shrink_split_plan`, SHRINK_* constants);
   others     split configurations around it (tiles, warps, programs per SM, the key table);
   read_floor not the shrink: torch's x.sum(dtype=float32), a reduction that reads x once, as the
@@ -35,7 +35,7 @@ from benchmarks import harness  # noqa: E402
 
 # name -> lora_train_shrink_fwd keyword arguments
 CONFIGS: dict[str, dict] = {
-    "old": dict(num_splits=1, key_table=False),
+    "unsplit": dict(num_splits=1, key_table=False),
     "default": dict(),
     "nokeys": dict(key_table=False),  # column keys mixed per tile, not loaded
     "ps2": dict(per_sm=2),
@@ -45,7 +45,7 @@ CONFIGS: dict[str, dict] = {
     "bm16": dict(block_m=16),
 }
 READ_FLOOR = "read_floor"
-DEFAULT_CONFIGS = (READ_FLOOR, "old", "default", "nokeys", "ps2", "ps4", "ps6", "bm64", "bm16")
+DEFAULT_CONFIGS = (READ_FLOOR, "unsplit", "default", "nokeys", "ps2", "ps4", "ps6", "bm64", "bm16")
 
 
 def parse_config(text: str) -> tuple[str, dict]:
@@ -99,9 +99,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flexserve_kernels import lora_fused_train as fused
-    from flexserve_kernels.lora.train.ref import lora_train_shrink_ref
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train import fused
+    from flexserve_kernels.lora.train.ref import lora_train_shrink_ref
 
     assert torch.cuda.is_available(), "needs CUDA (use --dry-run without)"
     device = torch.device("cuda")
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                 rotation = itertools.cycle(xs)
                 floor = name == READ_FLOOR
 
-                def call(kwargs=kwargs, slots=slots, floor=floor):
+                def call(kwargs=kwargs, slots=slots, floor=floor, rotation=rotation, lora_a=lora_a, meta=meta):
                     if floor:
                         return next(rotation).sum(dtype=torch.float32)
                     return fused.lora_train_shrink_fwd(next(rotation), lora_a, meta, slots, args.seed, **kwargs)

@@ -7,17 +7,15 @@ The graph is split at S = dropout(x) A^T, the [T, r] tensor that is cheap to sto
   kernel 2 (`lora_train_linear_fwd`): y = x W^T + scaling * S B^T in one pass over y: each y tile
   adds its [tile_m, r] x [r, tile_n] LoRA product to the base GEMM's accumulator before its one
   store (no separate expand reading and writing y again).
-Kernel 2 has three forms (`base_gemm`). "blas": the Triton kernel writes only the LoRA term, and
+Kernel 2 has two forms (`base_gemm`). "blas": the Triton kernel writes only the LoRA term, and
 torch's GEMM (cuBLAS on CUDA) computes x W^T with that term as its C operand (beta = 1, `addmm_`),
 so the term is read in cuBLAS's epilogue and the compute-bound GEMM keeps cuBLAS's tiling; the
-cost over the plain GEMM is one write of the term. "tma" (lora_fused_train_tma): LoRAFusion's
-literal form on Hopper, a persistent Triton GEMM over TMA with the LoRA product in its epilogue, no
-term through memory. "triton": the base GEMM in a Triton kernel with pointer loads; measured slower
-on Hopper, where these GEMMs reached 0.5-0.75x of cuBLAS (docs/benchmarks.md), and kept
-for that comparison. `fused_lora_linear`'s default, "auto", times "blas" and "tma" on the first
+cost over the plain GEMM is one write of the term. "tma" (`fused_tma`): LoRAFusion's literal
+form on Hopper, a persistent Triton GEMM over TMA with the LoRA product in its epilogue, no term
+through memory. `fused_lora_linear`'s default, "auto", times "blas" and "tma" on the first
 call of each shape and keeps the faster (`timed_forward_form`).
 Dropout is never stored: the keep mask is a counter-based hash of (seed, token, column), and the
-backward (lora_fused_train_bwd) regenerates it. Adapters are routed per token: a y row tile whose
+backward (`fused_bwd`) regenerates it. Adapters are routed per token: a y row tile whose
 rows all have one slot (the usual tile) adds its product in one dot, and one whose rows differ
 loops over meta's segments it overlaps, masking S's rows to each segment, so tiles may straddle
 adapters and tokens without one get the base only.
@@ -318,33 +316,20 @@ def _add_slot_product(acc, scaled_s, b_ptr, slot, cols, N, offs_r, r_mask, strid
 
 @triton.jit
 def _lora_train_linear_fwd_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    scalings_ptr, M, N, K, max_rank, m_bucket,
-    stride_xm, stride_wn, stride_sm, stride_bs, stride_bn, stride_ym,
-    HAS_BASE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    s_ptr, b_ptr, y_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    scalings_ptr, M, N, max_rank, m_bucket, stride_sm, stride_bs, stride_bn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    # m_bucket (next power of two of M) is only the autotuner's key. Without HAS_BASE the tile
-    # holds the LoRA term alone (x and W are not read): base_gemm="blas" adds x W^T in cuBLAS.
+    # The LoRA term of kernel 2's "blas" form: x W^T is added in cuBLAS (`addmm_`). m_bucket (next
+    # power of two of M) is only the autotuner's key; BLOCK_K is unused (the configs' shared form).
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask = rows < M
     n_mask = cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_BASE:
-        for k in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k
-            x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(x_tile, w_tile, acc, input_precision="ieee")
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-
     acc = add_lora_fwd_term(acc, rows, cols, M, N, s_ptr, b_ptr, token_slots_ptr, token_segs_ptr, seg_starts_ptr,
                             seg_lens_ptr, seg_slots_ptr, scalings_ptr, max_rank, stride_sm, stride_bs, stride_bn,
                             BLOCK_R)
@@ -352,21 +337,11 @@ def _lora_train_linear_fwd_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the
-# forward GEMM; none spills (ptxas, sm_90, triton 3.9, bf16, rank 16: 96-217 registers).
-FWD_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                     (256, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
-                     (128, 128, 32, 4, 4), (64, 64, 64, 4, 4))
-
-
 def gemm_configs(shapes: tuple[tuple[int, int, int, int, int], ...]) -> list[triton.Config]:
     """triton.Configs of (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples, grouped 8 row tiles."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for m, n, k, w, s in shapes]
 
-
-_linear_fwd_tuned = triton.autotune(configs=gemm_configs(FWD_CONFIG_SHAPES), key=["m_bucket", "N", "K", "max_rank"])(
-    _lora_train_linear_fwd_kernel)
 
 # Candidates of the LoRA term alone (base_gemm="blas"): no main loop, so BLOCK_K and the stages do
 # not matter; the tile only sets how y's one store is spread over the GPU. Ranks above 32 keep
@@ -387,7 +362,7 @@ _linear_term_tuned = triton.autotune(
     configs=gemm_configs(TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
     prune_configs_by={"early_config_prune": prune_by_rank})(
     _lora_train_linear_fwd_kernel)
-BASE_GEMMS = ("blas", "triton", "tma")
+BASE_GEMMS = ("blas", "tma")
 
 
 def check_base_gemm(base_gemm: str, choices: tuple[str, ...] = BASE_GEMMS) -> None:

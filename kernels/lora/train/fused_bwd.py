@@ -2,12 +2,11 @@
 
 Only x and S = dropout(x) A^T are kept from the forward; the dropout mask is regenerated.
   kernel 3 (`lora_train_ds_db_bwd`): dS = scaling dY B and dB = scaling dY^T S in one pass over dY;
-  kernel 4 (`lora_train_dx_bwd`): dX = dY W + dropout'(dS A) in one pass over dX (LoRA in the
-  base GEMM's epilogue, dropout' = the same mask / (1 - p)); as in kernel 2, base_gemm "blas"
-  (default) has the kernel write the LoRA term and torch's GEMM add dY W in its epilogue;
+  kernel 4 (`lora_train_dx_term`): dX's LoRA term dropout'(dS A) (dropout' = the same mask /
+  (1 - p)), which torch's GEMM takes as its C operand when it adds dY W (cuBLAS's epilogue);
   kernel 5 (`lora_train_da_bwd`): dA = dS^T dropout(x), a small GEMM over the adapter rows;
-  kernels 4's term and 5 in one pass (`lora_train_dx_term_da_bwd`, what base_gemm "blas" and the
-  fine-tuning engine run): both walk the [T, in] tiles of the adapter rows with the same keep
+  kernels 4's term and 5 in one pass (`lora_train_dx_term_da_bwd`, what `fused_lora_linear` and
+  the fine-tuning engine run): both walk the [T, in] tiles of the adapter rows with the same keep
   mask, so one walk reads x, hashes each tile's mask once, adds to dA and stores the term.
 dB and dA sum over tokens of a slot. Each program owns a chunk of rows of one segment and writes its
 partial sum; a second kernel adds a slot's partials in a fixed order (as `sum_parts` adds kernel 3's
@@ -266,34 +265,20 @@ def add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_s
 
 @triton.jit(do_not_specialize=["M", "seed", "m_bucket"])
 def _lora_train_dx_bwd_kernel(
-    dy_ptr, w_ptr, ds_ptr, a_ptr, dx_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket,
-    stride_dym, stride_wk, stride_dsm, stride_as, stride_ar, stride_dxm,
-    HAS_BASE: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_DS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ds_ptr, a_ptr, dx_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    dropout_ps_ptr, M, N, max_rank, seed, m_bucket, stride_dsm, stride_as, stride_ar, stride_dxm,
+    HAS_DROPOUT: tl.constexpr, SPLIT_DS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # dX [M, N=in] = dY [M, K=out] W [K, N]; m_bucket is only the autotuner's key. Without
-    # HAS_BASE the tile holds the LoRA term alone (base_gemm="blas").
+    # Kernel 4's LoRA term, dropout'(dS A) [M, N=in]: the caller adds dY W in cuBLAS. m_bucket is
+    # only the autotuner's key; BLOCK_K is unused (the configs' shared form).
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_mask = rows < M
     n_mask = cols < N
-    dy_ptrs = dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + offs_k[None, :]
-    w_ptrs = w_ptr + offs_k.to(tl.int64)[:, None] * stride_wk + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_BASE:
-        for k in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k
-            dy_tile = tl.load(dy_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
-            dy_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
-
     acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
                            seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
                            HAS_DROPOUT, SPLIT_DS, BLOCK_R)
@@ -301,13 +286,6 @@ def _lora_train_dx_bwd_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# dX's dropout epilogue holds the hash and a second [BLOCK_M, BLOCK_N] fp32 tile next to the
-# accumulator: 128 x 128 spills at 4 warps and 128 x 256 at 8 (ptxas, sm_90, triton 3.9, bf16), so
-# its candidates keep at most 64 accumulator elements per thread (229-248 registers, no spills).
-DX_CONFIG_SHAPES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 3),
-                    (128, 64, 64, 4, 4), (128, 64, 64, 4, 3), (64, 256, 64, 8, 3), (64, 64, 64, 4, 4))
-_dx_bwd_tuned = triton.autotune(configs=gemm_configs(DX_CONFIG_SHAPES), key=["m_bucket", "N", "K", "max_rank"])(
-    _lora_train_dx_bwd_kernel)
 # The LoRA term alone (base_gemm="blas"), with the dropout hash beside the accumulator; above
 # rank 32 only the first (ptxas, sm_90, triton 3.9, bf16: 32 x 128 x 4 warps spills at rank 128).
 DX_TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (128, 128, 16, 8, 1), (64, 256, 16, 8, 1),
@@ -551,12 +529,11 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
     if ds.device.type != "cuda":
         block_m, block_n, num_warps = 16, 32, 4
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
-    # dY and W are not read without HAS_BASE: dS stands in for their pointers, K = 0.
     _lora_train_dx_bwd_kernel[grid](
-        ds, ds, ds, lora_a, term, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
-        slots.dropout_ps, num_tokens, in_size, 0, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
-        0, 0, ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0),
-        HAS_BASE=False, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and lora_a.dtype != torch.float32,
+        ds, lora_a, term, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        slots.dropout_ps, num_tokens, in_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
+        ds.stride(0), lora_a.stride(0), lora_a.stride(1), term.stride(0),
+        HAS_DROPOUT=slots.has_dropout, SPLIT_DS=split_ds and lora_a.dtype != torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, BLOCK_R=rank_block(max_rank), GROUP_M=4,
         num_warps=num_warps, num_stages=1,
     )

@@ -1,11 +1,10 @@
-"""Kernels 2 and 4 of the fused LoRA training linear with the frozen GEMM in Triton over TMA
+"""Kernel 2 of the fused LoRA training linear with the frozen GEMM in Triton over TMA
 (base_gemm="tma"): LoRAFusion's literal form, where the LoRA product joins the GEMM's own
 accumulator, on Hopper's bulk tensor copies.
 
-    kernel 2: y  = x W^T + scaling * S B^T          (lora_fused_train.add_lora_fwd_term)
-    kernel 4: dX = dY W  + dropout'(dS A)            (lora_fused_train_bwd.add_lora_dx_term)
+    kernel 2: y  = x W^T + scaling * S B^T          (fused.add_lora_fwd_term)
 
-The main loops read their operand tiles through tensor descriptors (`TensorDescriptor`: on sm_90
+The main loop reads their operand tiles through tensor descriptors (`TensorDescriptor`: on sm_90
 the copy engine fills shared memory, no per-thread address arithmetic or masks) into wgmma; the
 grid is persistent (one program per SM walking the output tiles in grouped order), the epilogue
 is the same LoRA code as the pointer forms, and the tile is written once through a descriptor.
@@ -14,8 +13,8 @@ stream-K-style tail whose parts sum through fp32 partials, the last part to arri
 order, no program waiting), which took 2048 x 5120 from 1.21x to 1.11x cuBLAS's time on an
 H200 (docs/benchmarks.md).
 Compared with base_gemm="blas" (cuBLAS with the LoRA term as its C operand) this saves the term's
-write and read, [T, out] (kernel 2) and [T, in] (kernel 4) in 16 bits each; it only pays where
-this GEMM keeps up with cuBLAS (docs/benchmarks.md says where it did).
+write and read, [T, out] in 16 bits; it only pays where this GEMM keeps up with cuBLAS
+(`linear.timed_forward_form` picks per shape; docs/benchmarks.md says where it did).
 """
 
 from __future__ import annotations
@@ -30,11 +29,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flexserve_kernels.lora.train.fused import (
     add_lora_fwd_term,
     grouped_tile,
-    kernel_seed,
     launch_scratch,
     rank_block,
 )
-from flexserve_kernels.lora.train.fused_bwd import add_lora_dx_term
 
 # Kernel 2's tail split (`tail_plan`): at most MAX_TAIL_SPLIT K parts per tail tile, each at least
 # MIN_PART_K_BLOCKS steps of BLOCK_K (the launchers' default; the interpreter's tests take 1, to
@@ -60,9 +57,11 @@ def _lora_train_linear_fwd_tma_kernel(
     # the tile's counter; the last of the tile's parts to arrive sums the partials in part order
     # (bitwise reproducible whatever the arrival order), resets the counter and runs the epilogue.
     # No program waits for another. x [M, K] and W [N, K] are read as [BLOCK_M, BLOCK_K] /
-    # [BLOCK_N, BLOCK_K]. WARP_SPECIALIZE as in kernel 4. EPILOGUE_SPLIT 2: the tile is stored in
-    # two column halves (y_desc's block is half the tile), so its staging buffer takes half the
-    # shared memory and a fourth pipeline stage fits beside 128 x 256 tiles.
+    # [BLOCK_N, BLOCK_K]. WARP_SPECIALIZE: a producer warp issues the TMA copies while the consumer
+    # warp groups run wgmma and the epilogue (Triton's Hopper warp specialization; 8 warps).
+    # EPILOGUE_SPLIT 2: the tile is stored in two column halves (y_desc's block is half the tile),
+    # so its staging buffer takes half the shared memory and a fourth pipeline stage fits beside
+    # 128 x 256 tiles.
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_blocks = tl.cdiv(K, BLOCK_K)
     whole, tail, split = tail_plan(num_tiles, num_programs, k_blocks, MIN_PART)
@@ -211,78 +210,17 @@ def _column_halves(acc):
     return tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1)))
 
 
-@triton.jit
-def _lora_train_dx_bwd_tma_kernel(
-    dy_desc, w_desc, dx_desc, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
-    dropout_ps_ptr, M, N, K, max_rank, seed, m_bucket, stride_dsm, stride_as, stride_ar, num_programs,
-    HAS_DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-):
-    # dX [M, N=in] = dY [M, K=out] W [K, N]: dY read as [BLOCK_M, BLOCK_K], W as [BLOCK_K, BLOCK_N].
-    # EPILOGUE_SPLIT 2 or 4: the LoRA term and the store go one column part of the tile at a time
-    # (dx_desc's block is [BLOCK_M, BLOCK_N / EPILOGUE_SPLIT]), so the hash's temporaries of a
-    # 128 x 256 tile fit in registers beside the accumulator. WARP_SPECIALIZE: a producer warp
-    # issues the TMA copies while the consumer warp groups run wgmma and the epilogue (Triton's
-    # Hopper warp specialization; 8 warps).
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            dy_tile = dy_desc.load([off_m, k])
-            w_tile = w_desc.load([k, off_n])
-            acc = tl.dot(dy_tile, w_tile, acc, input_precision="ieee")
-        _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                  seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT,
-                  BLOCK_R, EPILOGUE_SPLIT)
-
-
-@triton.jit
-def _dx_parts(acc, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-              seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-              HAS_DROPOUT: tl.constexpr, BLOCK_R: tl.constexpr, PARTS: tl.constexpr):
-    """Kernel 4's epilogue on the columns [off_n, off_n + acc's width) of a tile, in PARTS column
-    parts (a power of two) one after the other: add the LoRA term and store through dx_desc (whose
-    block is one part's shape)."""
-    if PARTS == 1:
-        rows = off_m + tl.arange(0, acc.shape[0])
-        cols = off_n + tl.arange(0, acc.shape[1])
-        acc = add_lora_dx_term(acc, rows, cols, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                               seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-                               HAS_DROPOUT, False, BLOCK_R)
-        dx_desc.store([off_m, off_n], acc.to(dx_desc.dtype))
-    else:
-        left, right = _column_halves(acc)
-        _dx_parts(left, off_n, dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr, seg_lens_ptr,
-                  seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar, HAS_DROPOUT,
-                  BLOCK_R, PARTS // 2)
-        _dx_parts(right, off_n + left.shape[1], dx_desc, off_m, M, N, ds_ptr, a_ptr, token_segs_ptr, seg_starts_ptr,
-                  seg_lens_ptr, seg_slots_ptr, dropout_ps_ptr, max_rank, seed, stride_dsm, stride_as, stride_ar,
-                  HAS_DROPOUT, BLOCK_R, PARTS // 2)
-
-
-# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, then
-# kernel 2's WARP_SPECIALIZE and EPILOGUE_SPLIT, kernel 4's EPILOGUE_SPLIT and WARP_SPECIALIZE):
-# none spills up to rank 32 (ptxas, sm_90, triton 3.9, bf16; dX with dropout, which holds a second
-# fp32 tile and the hash beside the accumulator) and each fits the 227 KB of shared memory. Above
-# rank 32 every one of them spills, hence MAX_TMA_RANK; kernel 2's 256 x 128 candidate spilled 8
-# bytes at rank 32 once its epilogue had both the one-adapter product and the segment walk, and
-# was dropped. Kernel 4's 128 x 256 tiles need the epilogue in four column parts: whole, the hash
-# of the tile spilled and the kernel took 1.47 ms at 4096 x 4096 (H200, triton 3.6), and in two
-# parts it still spills 304 bytes. Kernel 2's first two candidates store in two halves, which
-# leaves room for a fourth stage (the best at 4096 x 4096 on an H100). Triton 3.6's
-# Hopper warp specialization fails to compile at 4 warps, so only 8-warp candidates take it. The
-# last candidate of each is the one fp32 operands fit (`_fits_shared_memory`).
+# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
+# WARP_SPECIALIZE, EPILOGUE_SPLIT): none spills up to rank 32 (ptxas, sm_90, triton 3.9, bf16) and
+# each fits the 227 KB of shared memory; above rank 32 every one spills, hence MAX_TMA_RANK. The
+# 128 x 256 candidates store in two halves, which leaves room for a fourth stage. Hopper warp
+# specialization fails to compile at 4 warps, so only 8-warp candidates take it. The last
+# candidate is the one fp32 operands fit (`_fits_shared_memory`).
 FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 4, True, 2), (128, 256, 64, 8, 4, False, 2),
                          (128, 256, 64, 8, 3, True, 1), (128, 256, 64, 8, 3, False, 1),
                          (128, 128, 64, 8, 4, True, 1), (128, 128, 64, 8, 4, False, 1),
                          (128, 128, 64, 4, 4, False, 1), (128, 128, 128, 8, 3, False, 1),
                          (128, 128, 32, 8, 3, False, 1))
-DX_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 3, 4, True), (128, 256, 64, 8, 3, 4, False), (128, 128, 64, 8, 4, 1, True),
-                        (128, 128, 64, 8, 4, 1, False), (128, 128, 64, 8, 3, 1, False), (128, 128, 128, 8, 3, 1, False),
-                        (128, 128, 32, 8, 3, 1, False))
 MAX_TMA_RANK = 32
 _LARGEST_FWD_TILE = max(m * n for m, n, *_ in FWD_TMA_CONFIG_SHAPES)
 
@@ -305,7 +243,6 @@ def _set_blocks(operands: tuple[tuple[str, ...], ...]):
 
 
 _FWD_EXTRAS = ("WARP_SPECIALIZE", "EPILOGUE_SPLIT")
-_DX_EXTRAS = ("EPILOGUE_SPLIT", "WARP_SPECIALIZE")
 
 
 def _configs(shapes, operands, extras) -> list[triton.Config]:
@@ -322,8 +259,6 @@ def _configs(shapes, operands, extras) -> list[triton.Config]:
 
 _FWD_OPERANDS = (("x_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_N", "BLOCK_K"),
                  ("y_desc", "BLOCK_M", "BLOCK_N", "EPILOGUE_SPLIT"))
-_DX_OPERANDS = (("dy_desc", "BLOCK_M", "BLOCK_K"), ("w_desc", "BLOCK_K", "BLOCK_N"),
-                ("dx_desc", "BLOCK_M", "BLOCK_N", "EPILOGUE_SPLIT"))
 
 
 def _fits_shared_memory(configs, named_args, **kwargs):
@@ -348,10 +283,6 @@ _fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERAN
                              key=_TUNE_KEY,
                              prune_configs_by={"early_config_prune": _fits_shared_memory})(
     _lora_train_linear_fwd_tma_kernel)
-_dx_tuned = triton.autotune(configs=_configs(DX_TMA_CONFIG_SHAPES, _DX_OPERANDS, _DX_EXTRAS),
-                            key=_TUNE_KEY,
-                            prune_configs_by={"early_config_prune": _fits_shared_memory})(
-    _lora_train_dx_bwd_tma_kernel)
 
 
 @functools.cache
@@ -436,17 +367,3 @@ def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None
     _launch(_lora_train_linear_fwd_tma_kernel, _fwd_tuned, _FWD_OPERANDS, (x, weight, y), rest, num_tokens,
             out_size, max_rank, blocks, untuned=dict(WARP_SPECIALIZE=False, EPILOGUE_SPLIT=epilogue_split),
             every_sm=True, MIN_PART=min_part_k_blocks)
-
-
-def dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None, epilogue_split=2) -> None:
-    """Kernel 4 with the GEMM over TMA into dx [T, in]; tiles as in `_launch`, and with `blocks`
-    the epilogue in `epilogue_split` column parts (1 or 2), without warp specialization."""
-    _check_supported(lora_a.shape[1], dy, weight, dx)
-    num_tokens, out_size = dy.shape
-    in_size, max_rank = weight.shape[1], lora_a.shape[1]
-    rest = (ds, lora_a, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps, num_tokens,
-            in_size, out_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens), ds.stride(0),
-            lora_a.stride(0), lora_a.stride(1))
-    _launch(_lora_train_dx_bwd_tma_kernel, _dx_tuned, _DX_OPERANDS, (dy, weight, dx), rest, num_tokens, in_size,
-            max_rank, blocks, untuned=dict(EPILOGUE_SPLIT=epilogue_split, WARP_SPECIALIZE=False),
-            HAS_DROPOUT=slots.has_dropout)

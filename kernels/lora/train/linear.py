@@ -1,9 +1,10 @@
 """The fused LoRA training linear as callers use it (LoRAFusion, EuroSys'26, figure 10).
 
 `fused_lora_linear` is the differentiable op: kernels 1-2 forward (`fused`), kernels 3-5
-backward (`fused_bwd`). The frozen GEMMs of kernels 2 and 4 run in one of the forms `base_gemm`
-names: "blas" (cuBLAS with the LoRA term as C), "triton", "tma" (`fused_tma`), or "auto", which
-times "blas" against "tma" on a shape's first call and keeps the faster (`timed_forward_form`).
+backward (`fused_bwd`). The forward's frozen GEMM (kernel 2) runs in the form `base_gemm` names:
+"blas" (cuBLAS with the LoRA term as C), "tma" (`fused_tma`), or "auto", which times "blas"
+against "tma" on a shape's first call and keeps the faster (`timed_forward_form`). The
+backward's frozen GEMM (kernel 4) always runs on cuBLAS, with dX's LoRA term as its C operand.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from flexserve_kernels.lora.serve.shrink import check_launchable
 from flexserve_kernels.lora.train.fused import (
     BASE_GEMMS,
     LoRATrainSlots,
-    _linear_fwd_tuned,
     _linear_term_tuned,
     _lora_train_linear_fwd_kernel,
     check_base_gemm,
@@ -27,23 +27,22 @@ from flexserve_kernels.lora.train.fused import (
     token_segments,
 )
 from flexserve_kernels.lora.train.fused_bwd import (
-    _dx_bwd_tuned,
     _dx_term_tuned,
     _lora_train_dx_bwd_kernel,
     lora_train_da_bwd,
     lora_train_ds_db_bwd,
     lora_train_dx_term_da_bwd,
 )
-from flexserve_kernels.lora.train.fused_tma import dx_bwd_tma, linear_fwd_tma, tma_forward_runs
+from flexserve_kernels.lora.train.fused_tma import linear_fwd_tma, tma_forward_runs
 
 
 def base_gemm_forms(base_gemm: str, x: torch.Tensor, weight: torch.Tensor, max_rank: int) -> tuple[str, str]:
-    """(forward, backward) forms of the frozen GEMMs for `fused_lora_linear`'s base_gemm. "auto":
-    kernel 4 on cuBLAS, and kernel 2 "auto" where its TMA form runs (a CUDA GPU of compute
-    capability >= 9.0, ranks up to MAX_TMA_RANK, 16-byte rows of x, W and y: `timed_forward_form`
-    then picks), else "blas". Any other value is both."""
+    """(forward, backward) forms of the frozen GEMMs for `fused_lora_linear`'s base_gemm: the
+    backward's is always "blas"; the forward's is base_gemm, except that "auto" stays "auto" only
+    where the TMA form runs (a CUDA GPU of compute capability >= 9.0, ranks up to MAX_TMA_RANK,
+    16-byte rows of x, W and y: `timed_forward_form` then picks) and is "blas" elsewhere."""
     if base_gemm != "auto":
-        return base_gemm, base_gemm
+        return base_gemm, "blas"
     return ("auto" if tma_forward_runs(x, weight, max_rank) else "blas"), "blas"
 
 
@@ -107,10 +106,9 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
     """Kernel 2: y [T, out] = x W^T + scaling[slot] * S B[slot]^T, one pass over y.
 
     base_gemm "blas": the kernel writes the LoRA term (zero rows for tokens without an adapter)
-    and `addmm_` adds x W^T to it in torch's GEMM; "triton": the kernel runs the GEMM too. The
-    tiles are autotuned (TERM_CONFIG_SHAPES, FWD_CONFIG_SHAPES) when `autotune` (default: on
-    CUDA), else `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's
-    tests).
+    and `addmm_` adds x W^T to it in torch's GEMM; "tma": `fused_tma.linear_fwd_tma`. The tiles
+    are autotuned (TERM_CONFIG_SHAPES, FWD_TMA_CONFIG_SHAPES) when `autotune` (default: on CUDA),
+    else `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's tests).
     """
     check_base_gemm(base_gemm)
     check_launchable(x, _lora_train_linear_fwd_kernel)
@@ -122,32 +120,26 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
     if base_gemm == "tma":
         linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None if autotune else blocks)
         return y
-    has_base = base_gemm == "triton"
-    args = (x, weight, s, lora_b, y, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots,
-            slots.scalings, num_tokens, out_size, in_size, max_rank, triton.next_power_of_2(num_tokens),
-            x.stride(0), weight.stride(0), s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
+    args = (s, lora_b, y, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots,
+            slots.scalings, num_tokens, out_size, max_rank, triton.next_power_of_2(num_tokens),
+            s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
     if autotune if autotune is not None else x.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"]),)  # noqa: E731
-        tuned = _linear_fwd_tuned if has_base else _linear_term_tuned
-        tuned[grid](*args, HAS_BASE=has_base, BLOCK_R=rank_block(max_rank))
+        _linear_term_tuned[grid](*args, BLOCK_R=rank_block(max_rank))
     else:
         block_m, block_n, block_k = blocks or (16, 32, 32)
         grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
-        _lora_train_linear_fwd_kernel[grid](*args, HAS_BASE=has_base, BLOCK_M=block_m, BLOCK_N=block_n,
-                                            BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
-                                            num_warps=4, num_stages=3)
-    return y if has_base else y.addmm_(x, weight.t())
+        _lora_train_linear_fwd_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                            BLOCK_R=rank_block(max_rank), GROUP_M=4, num_warps=4, num_stages=3)
+    return y.addmm_(x, weight.t())
 
 
 def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor,
                       meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor, seed: int,
-                      *, base_gemm: str = "blas", blocks: tuple[int, int, int] | None = None,
-                      autotune: bool | None = None) -> torch.Tensor:
-    """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]) in one pass over dX; base_gemm as in
-    `lora_train_linear_fwd` ("blas": the kernel writes the LoRA term, `addmm_` adds dY W);
-    autotuned (DX_TERM_CONFIG_SHAPES, DX_CONFIG_SHAPES) when `autotune` (default: on CUDA), else
-    `blocks` = (BLOCK_M, BLOCK_N over in, BLOCK_K over out)."""
-    check_base_gemm(base_gemm)
+                      *, blocks: tuple[int, int, int] | None = None, autotune: bool | None = None) -> torch.Tensor:
+    """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]): the kernel writes the LoRA term and
+    `addmm_` adds dY W to it in torch's GEMM; autotuned (DX_TERM_CONFIG_SHAPES) when `autotune`
+    (default: on CUDA), else `blocks` = (BLOCK_M, BLOCK_N over in, BLOCK_K unused)."""
     check_launchable(dy, _lora_train_dx_bwd_kernel)
     num_tokens, out_size = dy.shape
     in_size = weight.shape[1]
@@ -155,26 +147,19 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
     dx = torch.empty(num_tokens, in_size, dtype=dy.dtype, device=dy.device)
     if num_tokens == 0:
         return dx
-    if base_gemm == "tma":
-        dx_bwd_tma(dy, weight, ds, lora_a, dx, token_segs, meta, slots, seed, blocks=None if autotune else blocks)
-        return dx
-    args = (dy, weight, ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
-            num_tokens, in_size, out_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
-            dy.stride(0), weight.stride(0), ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
-    has_base = base_gemm == "triton"
+    args = (ds, lora_a, dx, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.dropout_ps,
+            num_tokens, in_size, max_rank, kernel_seed(seed), triton.next_power_of_2(num_tokens),
+            ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
     if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"]),)  # noqa: E731
-        tuned = _dx_bwd_tuned if has_base else _dx_term_tuned
-        tuned[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
-                    BLOCK_R=rank_block(max_rank))
+        _dx_term_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False, BLOCK_R=rank_block(max_rank))
     else:
         block_m, block_n, block_k = blocks or (16, 32, 32)
         grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
-        _lora_train_dx_bwd_kernel[grid](*args, HAS_BASE=has_base, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
-                                        BLOCK_M=block_m,
+        _lora_train_dx_bwd_kernel[grid](*args, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False, BLOCK_M=block_m,
                                         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=rank_block(max_rank), GROUP_M=4,
                                         num_warps=4, num_stages=3)
-    return dx if has_base else dx.addmm_(dy, weight)
+    return dx.addmm_(dy, weight)
 
 
 class FusedLoRALinearFunction(torch.autograd.Function):
@@ -187,7 +172,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, lora_a, lora_b, meta, slots, seed, base_gemm):
         token_segs = token_segments(meta)
         s = lora_train_shrink_fwd(x, lora_a, meta, slots, seed)
-        fwd_gemm, ctx.base_gemm = run_forms(base_gemm, x, weight, s, lora_b, meta, slots, token_segs)
+        fwd_gemm, _ = run_forms(base_gemm, x, weight, s, lora_b, meta, slots, token_segs)
         y = lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs, base_gemm=fwd_gemm)
         ctx.save_for_backward(x, weight, lora_a, lora_b, s, token_segs)
         ctx.meta, ctx.slots, ctx.seed = meta, slots, seed
@@ -199,15 +184,12 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         meta, slots, seed = ctx.meta, ctx.slots, ctx.seed
         dy = dy.contiguous()
         ds, db = lora_train_ds_db_bwd(dy, lora_b, s, meta, slots)
-        dx = None
-        if ctx.needs_input_grad[0] and ctx.base_gemm == "blas":
+        if ctx.needs_input_grad[0]:
             # dX's LoRA term and dA in one pass over the [T, in] tiles; the GEMM adds dY W to it
             term, da = lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, seed)
             return term.addmm_(dy, weight), None, da, db, None, None, None, None
-        if ctx.needs_input_grad[0]:
-            dx = lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, seed, base_gemm=ctx.base_gemm)
         da = lora_train_da_bwd(x, ds, lora_a, meta, slots, seed)
-        return dx, None, da, db, None, None, None, None
+        return None, None, da, db, None, None, None, None
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -217,9 +199,9 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tenso
 
     weight [out, in] is frozen (ValueError if it requires grad); lora_a [slots, r_max, in] and
     lora_b [slots, out, r_max] hold each slot's adapter zero-padded to r_max; seed in [0, 2**31)
-    fixes the dropout mask, regenerated in backward. base_gemm picks where the frozen GEMMs of
-    kernels 2 and 4 run ("blas": torch's GEMM with the LoRA term as its C operand; "triton"; "tma";
-    "auto": `base_gemm_forms`).
+    fixes the dropout mask, regenerated in backward. base_gemm picks where the forward's frozen
+    GEMM runs ("blas": torch's GEMM with the LoRA term as its C operand; "tma"; "auto":
+    `base_gemm_forms`); the backward's runs on torch's GEMM.
     """
     check_base_gemm(base_gemm, BASE_GEMMS + ("auto",))
     if weight.requires_grad:
