@@ -577,14 +577,20 @@ def test_dx_term_and_da_in_one_pass_match_their_kernels(name, x_dropped, split_d
                                                    split_ds=split_ds, x_dropped=x_dropped, da_out=da_out,
                                                    block_m=16, block_k=16)
     assert da is da_out and term.dtype == torch.float32
-    assert torch.equal(term, want_term)  # the same arithmetic as kernel 4's term
+    if INTERPRETED:  # the interpreter's dots sum each tile shape in its own order
+        assert_close("term", term, want_term, 1e-6)
+    else:
+        assert torch.equal(term, want_term)  # the same arithmetic as kernel 4's term
     assert_close("dA", da - start, want_da, 1e-4)
     assert bool((term[meta.token_slots < 0] == 0).all())
     # Meta built by hand without the adapter token count: the term is zeroed first all the same.
     meta.num_lora_tokens = None
     term, da = fused_bwd.lora_train_dx_term_da_bwd(x, ds, lora_a, meta, slots, 9, out_dtype=torch.float32,
                                                    split_ds=split_ds, x_dropped=x_dropped)
-    assert torch.equal(term, want_term)  # the same arithmetic as kernel 4's term
+    if INTERPRETED:  # the interpreter's dots sum each tile shape in its own order
+        assert_close("term", term, want_term, 1e-6)
+    else:
+        assert torch.equal(term, want_term)  # the same arithmetic as kernel 4's term
     assert_close("dA", da, want_da, 1e-4)
 
 
