@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
+from flexserve_kernels.lora.train.configs import train_configs
 
 from _triton_interpret import (
     compile_for_hopper,
@@ -667,8 +668,12 @@ def test_gpu_gradients_are_bitwise_reproducible():
 
 
 _COMPILE_SCRIPT = r"""
+import json
+
 import triton
 from triton.compiler import ASTSource
+from flexserve_kernels.lora.train.configs import CONFIGS_DIR
+from flexserve_kernels.tuned_configs import by_rank, load_configs
 from flexserve_kernels.lora.train import fused as kf
 from flexserve_kernels.lora.train import fused_bwd as kb
 from flexserve_kernels.lora.train import fused_tma as kt
@@ -677,7 +682,13 @@ FP32 = {"dropout_ps_ptr", "scalings_ptr", "ds_part_ptr", "db_part_ptr", "da_part
 # kernel 1's counters, keys, windows; slots
 I32 = {"count_ptr", "keys_ptr", "win_bounds_ptr", "win_table_ptr", "token_slots_ptr"}
 
+COMPILED = set()
+
 def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, stream=False, fp32=()):
+    key = (fn.__name__, tuple(sorted(consts.items())), num_warps, num_stages, gemm, stream, tuple(sorted(fp32)))
+    if key in COMPILED:  # the same launch from another table or file
+        return
+    COMPILED.add(key)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -704,61 +715,69 @@ def compile_one(fn, consts, num_warps, num_stages, gemm=False, descs=None, strea
         sys.exit(f"{fn.__name__} {consts}: the main loop's loads are not pipelined")
     check_spills(kernel, f"{fn.__name__} {consts} warps={num_warps}")
 
-# The LoRA terms alone (base_gemm="blas"), at ranks 16 and 128.
-for shapes, fn, extra in ((kf.TERM_CONFIG_SHAPES, kf._lora_train_linear_fwd_kernel, {}),
-                          (kb.DX_TERM_CONFIG_SHAPES, kb._lora_train_dx_bwd_kernel,
+# Each Hopper configs file's settings (files with the same settings compile once).
+HOPPER = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+for C in {json.dumps(c, sort_keys=True): c for c in (load_configs(CONFIGS_DIR, name) for name in HOPPER)}.values():
+    # The LoRA terms alone (base_gemm="blas"), at ranks 16 and 128.
+    for op, fn, extra in (("lora_train_linear_fwd_term", kf._lora_train_linear_fwd_kernel, {}),
+                          ("lora_train_dx_bwd_term", kb._lora_train_dx_bwd_kernel,
                            {"HAS_DROPOUT": True, "SPLIT_DS": False})):
-    for i, c in enumerate(kf.gemm_configs(shapes)):
-        # the candidates kept above rank 32
-        for rank in (16, 32) + ((64, 128) if i < kf.WIDE_RANK_TERM_CONFIGS else ()):
-            compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages)
-# Kernel 1 as the launcher runs it on CUDA, by rank: split over in_size and not (the split
-# count is a runtime argument), column keys loaded or mixed in the kernel, and without dropout;
-# and the engine's form (each row's dropout from its window, S in fp32); x streamed through cp.async.
-for rank in (16, 32, 64, 128):
-    warps = kf.shrink_warps(kf.SHRINK_BLOCK_M, rank)
-    tiles = dict(BLOCK_M=kf.SHRINK_BLOCK_M, BLOCK_R=rank, BLOCK_K=kf.SHRINK_BLOCK_K)
-    for split in (True, False):
-        for key_table in (True, False):
+        for i, c in enumerate(kf.gemm_configs(C[op]["candidates"])):
+            # the candidates kept above rank 32
+            for rank in (16, 32) + ((64, 128) if i < C[op]["wide_rank_candidates"] else ()):
+                compile_one(fn, dict(c.kwargs, BLOCK_R=rank, **extra), c.num_warps, c.num_stages)
+    # Kernel 1 as the launcher runs it on CUDA, by rank: split over in_size and not (the split
+    # count is a runtime argument), column keys loaded or mixed in the kernel, and without dropout;
+    # and the engine's form (each row's dropout from its window, S in fp32); x streamed through cp.async.
+    shrink = C["lora_train_shrink_fwd"]
+    for rank in (16, 32, 64, 128):
+        warps = kf.shrink_warps(shrink["block_m"], rank)
+        tiles = dict(BLOCK_M=shrink["block_m"], BLOCK_R=rank, BLOCK_K=shrink["block_k"])
+        for split in (True, False):
+            for key_table in (True, False):
+                compile_one(kf._lora_train_shrink_fwd_kernel,
+                            dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=key_table, ROW_WINDOWS=False, **tiles),
+                            warps, shrink["num_stages"], stream=True)
             compile_one(kf._lora_train_shrink_fwd_kernel,
-                        dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=key_table, ROW_WINDOWS=False, **tiles),
-                        warps, kf.SHRINK_NUM_STAGES, stream=True)
+                        dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=True, ROW_WINDOWS=True, **tiles),
+                        kf.shrink_warps(shrink["block_m"], rank, True), shrink["num_stages"], stream=True,
+                        fp32={"s_ptr"})
         compile_one(kf._lora_train_shrink_fwd_kernel,
-                    dict(HAS_DROPOUT=True, SPLIT=split, KEY_TABLE=True, ROW_WINDOWS=True, **tiles),
-                    kf.shrink_warps(kf.SHRINK_BLOCK_M, rank, True), kf.SHRINK_NUM_STAGES, stream=True,
-                    fp32={"s_ptr"})
-    compile_one(kf._lora_train_shrink_fwd_kernel,
-                dict(HAS_DROPOUT=False, SPLIT=True, KEY_TABLE=False, ROW_WINDOWS=False, **tiles),
-                warps, kf.SHRINK_NUM_STAGES, stream=True)
-# Kernels 3 and 5 with the launchers' CUDA blocks and warps, by rank.
-for rank in (16, 32, 128):
-    bm, bn, w = (128, 256, 8) if rank <= 16 else (64, 128, 4) if rank <= 32 else (64, 64, 8)
-    compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=rank), w, 3)
-    for split_ds in (False, True):  # True: the fine-tuning engine's dS in two bf16 halves
-        compile_one(kb._lora_train_da_bwd_kernel,
-                    dict(WITH_TERM=False, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=32,
-                         BLOCK_K=128 if rank <= 32 else 64, BLOCK_R=rank), 4 if rank <= 32 else 8, 3)
-    # The engine's dX term (`lora_train_dx_term`: 32 x 128 tiles at 4 warps up to rank 64, 64 x 128
-    # at 8 above; dS split in two).
-    compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=True,
-                                                   BLOCK_M=32 if rank <= 64 else 64, BLOCK_N=128, BLOCK_K=16,
-                                                   BLOCK_R=rank, GROUP_M=4), 4 if rank <= 64 else 8, 1)
-# 4's term and 5 in one pass, with the launcher's tiles, up to the rank it takes.
-for rank in (16, 32, kb.MAX_TERM_DA_RANK):
-    for split_ds in (False, True):
-        bm, bk, w = kb.term_da_tiles(rank)
-        compile_one(kb._lora_train_da_bwd_kernel,
-                    dict(WITH_TERM=True, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=bm, BLOCK_K=bk,
-                         BLOCK_R=rank), w, 3)
+                    dict(HAS_DROPOUT=False, SPLIT=True, KEY_TABLE=False, ROW_WINDOWS=False, **tiles),
+                    warps, shrink["num_stages"], stream=True)
+    # Kernels 3 and 5 with the launchers' CUDA blocks and warps, by rank.
+    for rank in (16, 32, 128):
+        for op in ("lora_train_ds_db_bwd", "lora_train_ds_db_bwd_fp32"):
+            t = by_rank(C[op]["by_rank"], rank)
+            compile_one(kb._lora_train_ds_db_bwd_kernel, dict(BLOCK_M=t["block_m"], BLOCK_N=t["block_n"],
+                                                              BLOCK_R=rank), t["num_warps"], 3)
+        t = by_rank(C["lora_train_da_bwd"]["by_rank"], rank)
+        for split_ds in (False, True):  # True: the fine-tuning engine's dS in two bf16 halves
+            compile_one(kb._lora_train_da_bwd_kernel,
+                        dict(WITH_TERM=False, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=t["block_m"],
+                             BLOCK_K=t["block_k"], BLOCK_R=rank), t["num_warps"], 3)
+        # The engine's dX term (`lora_train_dx_term`, dS split in two).
+        t = by_rank(C["lora_train_dx_term"]["by_rank"], rank)
+        compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=True, BLOCK_M=t["block_m"],
+                                                       BLOCK_N=t["block_n"], BLOCK_K=16, BLOCK_R=rank, GROUP_M=4),
+                    t["num_warps"], 1)
+    # 4's term and 5 in one pass, with the launcher's tiles, up to the rank it takes.
+    for rank in (16, 32, kb.MAX_TERM_DA_RANK):
+        for split_ds in (False, True):
+            bm, bk, w = kb.term_da_tiles(rank, C)
+            compile_one(kb._lora_train_da_bwd_kernel,
+                        dict(WITH_TERM=True, HAS_DROPOUT=True, MASK_X=True, SPLIT_DS=split_ds, BLOCK_M=bm,
+                             BLOCK_K=bk, BLOCK_R=rank), w, 3)
+    # base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
+    for c in kt._configs(C["lora_train_linear_fwd_tma"]["candidates"], kt._FWD_OPERANDS, kt._FWD_EXTRAS):
+        for rank in (16, kt.MAX_TMA_RANK):
+            compile_one(kt._lora_train_linear_fwd_tma_kernel,
+                        dict(c.kwargs, BLOCK_R=rank, MIN_PART=kt.MIN_PART_K_BLOCKS), c.num_warps, c.num_stages,
+                        gemm=True, descs={operand[0]: operand for operand in kt._FWD_OPERANDS})
 for accumulate in (False, True):
     compile_one(kb._lora_train_slot_reduce_kernel, dict(ACCUMULATE=accumulate, BLOCK=kb.SUM_BLOCK,
                                                         UNROLL=kb.SUM_UNROLL), 2, 1)
 compile_one(kb._sum_parts_kernel, dict(BLOCK=kb.SUM_BLOCK, UNROLL=kb.SUM_UNROLL), 2, 1)
-# base_gemm="tma": TMA copies into wgmma, up to MAX_TMA_RANK.
-for c in kt._configs(kt.FWD_TMA_CONFIG_SHAPES, kt._FWD_OPERANDS, kt._FWD_EXTRAS):
-    for rank in (16, kt.MAX_TMA_RANK):
-        compile_one(kt._lora_train_linear_fwd_tma_kernel, dict(c.kwargs, BLOCK_R=rank, MIN_PART=kt.MIN_PART_K_BLOCKS),
-                    c.num_warps, c.num_stages, gemm=True, descs={operand[0]: operand for operand in kt._FWD_OPERANDS})
 print("ok")
 """
 
@@ -811,7 +830,7 @@ def test_autotuned_launches_run_every_config(monkeypatch):
         calls.append(1)
         return [float(len(calls))] * 3  # the first config "wins"
 
-    for tuner in (fused._linear_term_tuned, fused_bwd._dx_term_tuned):
+    for tuner in (fused.linear_term_tuned(DEVICE), fused_bwd.dx_term_tuned(DEVICE)):
         monkeypatch.setattr(tuner, "_do_bench", run_once)
     case = CASES["multi-r16.3.7-p0.1"]
     x, weight, lora_a, lora_b, meta, scalings = make_inputs(case)
@@ -824,7 +843,9 @@ def test_autotuned_launches_run_every_config(monkeypatch):
     dx = linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3, autotune=True)
     assert_close("y", y, linear.lora_train_linear_fwd(x, weight, s, lora_b, meta, slots, token_segs), 1e-5)
     assert_close("dx", dx, linear.lora_train_dx_bwd(dy, weight, ds, lora_a, meta, slots, token_segs, 3), 1e-5)
-    assert len(calls) == len(fused.TERM_CONFIG_SHAPES) + len(fused_bwd.DX_TERM_CONFIG_SHAPES)
+    configs = train_configs(DEVICE)
+    assert len(calls) == (len(configs["lora_train_linear_fwd_term"]["candidates"])
+                          + len(configs["lora_train_dx_bwd_term"]["candidates"]))
 
 
 def test_auto_base_gemm_takes_tma_forward_only_where_it_runs():

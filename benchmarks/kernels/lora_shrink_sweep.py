@@ -4,7 +4,8 @@ For m in {2048, 4096, 8192} x in_size in {4096, 5120, 8192}, rank 16, bf16, one 
 all tokens, dropout 0.1 and 0.0, times `lora_train_shrink_fwd` in several configurations:
   unsplit    the unsplit kernel: num_splits=1 with the default tiles, column keys mixed in the
              kernel (key_table=False);
-  default    the launcher's CUDA default (split-K by `shrink_split_plan`, SHRINK_* constants);
+  default    the launcher's CUDA default (split-K by `shrink_split_plan`, the GPU's
+             "lora_train_shrink_fwd" in kernels/lora/train/configs/);
   others     split configurations around it (tiles, warps, programs per SM, the key table);
   read_floor not the shrink: torch's x.sum(dtype=float32), a reduction that reads x once, as the
              achievable read time of x at that size (launch and tail included).
@@ -39,7 +40,7 @@ CONFIGS: dict[str, dict] = {
     "default": dict(),
     "nokeys": dict(key_table=False),  # column keys mixed per tile, not loaded
     "ps2": dict(per_sm=2),
-    "ps4": dict(per_sm=4),  # the default
+    "ps4": dict(per_sm=4),  # the configs files' value
     "ps6": dict(per_sm=6),
     "bm64": dict(block_m=64),
     "bm16": dict(block_m=16),
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
 
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
     from flexserve_kernels.lora.train import fused
+    from flexserve_kernels.lora.train.configs import train_configs
     from flexserve_kernels.lora.train.ref import lora_train_shrink_ref
 
     assert torch.cuda.is_available(), "needs CUDA (use --dry-run without)"
@@ -137,9 +139,10 @@ def main(argv=None) -> int:
                 us, shrink_us = device_us(call, args.iters, args.warmup)
                 plan = None
                 if kwargs.get("num_splits") != 1 and not floor:  # the launcher's plan, for the record
-                    bm = kwargs.get("block_m", fused.SHRINK_BLOCK_M)
-                    bk = kwargs.get("block_k", fused.SHRINK_BLOCK_K)
-                    per_sm = kwargs.get("per_sm", fused.SHRINK_PER_SM)
+                    tuned = train_configs(device)["lora_train_shrink_fwd"]
+                    bm = kwargs.get("block_m", tuned["block_m"])
+                    bk = kwargs.get("block_k", tuned["block_k"])
+                    per_sm = kwargs.get("per_sm", tuned["per_sm"])
                     plan = fused.shrink_split_plan(meta, in_size, args.rank, bm, bk, device, per_sm,
                                                    kwargs.get("num_splits"))
                 row = dict(m=m, in_size=in_size, rank=args.rank, dropout=p, config=name, kwargs=kwargs,

@@ -23,6 +23,7 @@ adapters and tokens without one get the base only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,8 @@ from flexserve_kernels.lora.dropout_hash import (
 )
 from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
 from flexserve_kernels.lora.serve.shrink import check_launchable, target_programs
+from flexserve_kernels.lora.train.configs import CONFIGS_DIR, train_configs
+from flexserve_kernels.tuned_configs import device_name, load_configs
 
 _HASH_TOKEN = tl.constexpr(HASH_TOKEN)
 _HASH_COLUMN = tl.constexpr(HASH_COLUMN)
@@ -337,31 +340,40 @@ def _lora_train_linear_fwd_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemm_configs(shapes: tuple[tuple[int, int, int, int, int], ...]) -> list[triton.Config]:
-    """triton.Configs of (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tuples, grouped 8 row tiles."""
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for m, n, k, w, s in shapes]
+def gemm_configs(candidates: list[dict], extras: tuple[str, ...] = ()) -> list[triton.Config]:
+    """triton.Configs of a configs file's candidates (block_m, block_n, block_k, num_warps,
+    num_stages, then the constexprs named in `extras` in upper case), grouped 8 row tiles."""
+    return [triton.Config({"BLOCK_M": c["block_m"], "BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"], "GROUP_M": 8,
+                           **{name.upper(): c[name] for name in extras}},
+                          num_warps=c["num_warps"], num_stages=c["num_stages"])
+            for c in candidates]
 
 
-# Candidates of the LoRA term alone (base_gemm="blas"): no main loop, so BLOCK_K and the stages do
-# not matter; the tile only sets how y's one store is spread over the GPU. Ranks above 32 keep
-# the first WIDE_RANK_TERM_CONFIGS only (the others spill there: ptxas, sm_90, triton 3.9, bf16,
-# rank 128; 64 x 128 x 4 warps: 384 bytes).
-TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (64, 128, 16, 4, 1), (64, 256, 16, 8, 1),
-                      (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (32, 256, 16, 4, 1), (32, 64, 16, 2, 1))
-WIDE_RANK_TERM_CONFIGS = 1
-
-
-def prune_by_rank(configs, named_args, **kwargs):
+def prune_by_rank(configs, named_args, wide_rank_candidates: int = 1, **kwargs):
     """The term kernels' autotuner `early_config_prune`: above rank 32, only the first
-    WIDE_RANK_TERM_CONFIGS candidates."""
-    return configs if named_args["max_rank"] <= 32 else configs[:WIDE_RANK_TERM_CONFIGS]
+    `wide_rank_candidates` candidates (the others spill there: ptxas, sm_90, triton 3.9, bf16)."""
+    return configs if named_args["max_rank"] <= 32 else configs[:wide_rank_candidates]
 
 
-_linear_term_tuned = triton.autotune(
-    configs=gemm_configs(TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
-    prune_configs_by={"early_config_prune": prune_by_rank})(
-    _lora_train_linear_fwd_kernel)
+def term_tuner(kernel, settings: dict):
+    """`kernel` autotuned over a term operation's candidates (the LoRA term alone, base_gemm="blas":
+    no main loop, so the tile only sets how the one store is spread over the GPU)."""
+    prune = functools.partial(prune_by_rank, wide_rank_candidates=settings["wide_rank_candidates"])
+    return triton.autotune(configs=gemm_configs(settings["candidates"]), key=["m_bucket", "N", "max_rank"],
+                           prune_configs_by={"early_config_prune": prune})(kernel)
+
+
+@functools.cache
+def _linear_term_tuner(name: str | None):
+    return term_tuner(_lora_train_linear_fwd_kernel, load_configs(CONFIGS_DIR, name)["lora_train_linear_fwd_term"])
+
+
+def linear_term_tuned(device: torch.device):
+    """Kernel 2's LoRA term autotuned over the candidates of device's configs file (one autotuner
+    per GPU name)."""
+    return _linear_term_tuner(device_name(device))
+
+
 BASE_GEMMS = ("blas", "tma")
 
 
@@ -419,27 +431,10 @@ def rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
-# Kernel 1 on CUDA (`lora_train_shrink_fwd`'s defaults): row tiles of SHRINK_BLOCK_M tokens and
-# SHRINK_BLOCK_K columns per step, split over in_size until about SHRINK_PER_SM programs per SM,
-# column keys loaded from `column_keys`. H200,
-# bf16, rank 16, one adapter, m in {2048, 4096, 8192} x in in {4096, 5120, 8192}
-# (GPU time, x rotated out of L2; two runs agreed within 2%): 0.82x the
-# one-split autotuned kernel's time on average at dropout 0.1 (16.4 against 19.4-21.4 us at 4096 x
-# 4096) and 0.87x at dropout 0 (11.7 against 13.1 us there; torch's x.sum() takes 14.3). 32-row
-# tiles at 4 warps (84 registers: ~6 programs resident per SM) beat 64 rows (1.08x the one-split
-# kernel: half the resident warps for the dropout hash, which is instruction-bound) and 16 rows
-# (1.0x); 2 programs per SM, 4 stages, 64- or 256-column steps and 2 warps were slower or equal;
-# 6 programs per SM beat 4 by 2.5% with dropout there and lost 3.5% without, but on the H100
-# (benchmarks/kernels/lora_fused_train_tiles.py: GPU time, L2 flushed) 4 beat 6 at
-# dropout 0.1 on all nine shapes (0.947-0.996x, 0.970x on average; 8 and 12 per SM took 1.21x and
-# 1.08x), so 4 it is, with or without dropout; without the key table, dropout 0.1 took 5% longer.
-# With dropout the kernel takes ~1.4x its dropout-0 time: ~11 SASS instructions per element (the
-# hash, the compare, the select and the bf16 repacking for the dot).
-SHRINK_BLOCK_M = 32
-SHRINK_BLOCK_K = 128
-SHRINK_PER_SM = 4
-SHRINK_NUM_STAGES = 3
-SHRINK_KEY_TABLE = True
+# Kernel 1 on CUDA (`lora_train_shrink_fwd`'s defaults, "lora_train_shrink_fwd" in the configs
+# file): row tiles of block_m tokens and block_k columns per step, split over in_size until about
+# per_sm programs per SM, column keys loaded from `column_keys` (key_table). Small row tiles leave
+# several programs resident per SM, which hide the latency of the instruction-bound dropout hash.
 
 
 def shrink_warps(block_m: int, max_rank: int, row_windows: bool = False) -> int:
@@ -532,7 +527,7 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     without an adapter. Dropout is each slot's p (`slots`) under `seed`, or with `windows` (a
     `DropoutWindows` and its group; slots and seed are then not read) each row's window's.
 
-    On CUDA, in_size is split (`shrink_split_plan`) until about SHRINK_PER_SM programs per SM
+    On CUDA, in_size is split (`shrink_split_plan`) until about the configs' per_sm programs per SM
     (`per_sm`), or into `num_splits` chunks; partials are summed in a fixed order by each row
     tile's last program (bitwise reproducible). On CPU (the interpreter) the default is one split.
     The keyword arguments override tiles, splits, programs per SM, warps, stages and `key_table`
@@ -557,14 +552,15 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
         has_dropout, win_bounds, win_table, num_windows = win.has_dropout, win.bounds, win.table, win.num_windows
     common = (meta.seg_starts, meta.seg_lens, meta.seg_slots, dropout_ps, win_bounds, win_table, in_size, max_rank,
               kernel_seed(seed), triton.next_power_of_2(num_tokens))
+    tuned = train_configs(x.device)["lora_train_shrink_fwd"]
     if key_table is None:
-        key_table = SHRINK_KEY_TABLE
+        key_table = tuned["key_table"]
     key_table = key_table and has_dropout
     keys = column_keys(x.device, in_size) if key_table else s  # not read without
     flags = dict(HAS_DROPOUT=has_dropout, KEY_TABLE=key_table, ROW_WINDOWS=windows is not None)
     if cuda:
-        block_m = block_m or SHRINK_BLOCK_M
-        block_k = block_k or SHRINK_BLOCK_K
+        block_m = block_m or tuned["block_m"]
+        block_k = block_k or tuned["block_k"]
     else:
         if block_m is None:
             # The interpreter: the largest row tile (64, 32 or 16) that still gives a few programs.
@@ -573,7 +569,7 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
                 block_m //= 2
         block_k = block_k or (32 if x.dtype == torch.float32 else 128)
         num_splits = num_splits or 1
-    per_sm = per_sm or SHRINK_PER_SM
+    per_sm = per_sm or tuned["per_sm"]
     k_per_split, num_splits = shrink_split_plan(meta, in_size, max_rank, block_m, block_k, x.device, per_sm,
                                                 num_splits)
     split = num_splits > 1
@@ -588,6 +584,6 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
         x.stride(0), lora_a.stride(0), lora_a.stride(1), s.stride(0), part.stride(0) if split else 0,
         SPLIT=split, BLOCK_M=block_m, BLOCK_R=rank_block(max_rank), BLOCK_K=block_k, **flags,
         num_warps=num_warps or shrink_warps(block_m, max_rank, windows is not None),
-        num_stages=num_stages or SHRINK_NUM_STAGES,
+        num_stages=num_stages or tuned["num_stages"],
     )
     return s

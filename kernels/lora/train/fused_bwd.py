@@ -19,24 +19,27 @@ a batch that interleaves adapters row by row has one segment per row and that ma
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 from flexserve_kernels.lora.serve.shrink import check_launchable, target_programs
+from flexserve_kernels.lora.train.configs import CONFIGS_DIR, train_configs
 from flexserve_kernels.lora.train.fused import (
     LoRATrainSlots,
     dropout_keep,
-    gemm_configs,
     grouped_tile,
     keep_threshold,
     kernel_seed,
-    prune_by_rank,
     rank_block,
+    term_tuner,
     tile_segments,
     token_segments,
 )
+from flexserve_kernels.tuned_configs import by_rank, device_name, load_configs
 
 
 @triton.jit
@@ -286,13 +289,15 @@ def _lora_train_dx_bwd_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-# The LoRA term alone (base_gemm="blas"), with the dropout hash beside the accumulator; above
-# rank 32 only the first (ptxas, sm_90, triton 3.9, bf16: 32 x 128 x 4 warps spills at rank 128).
-DX_TERM_CONFIG_SHAPES = ((64, 128, 16, 8, 1), (32, 128, 16, 4, 1), (128, 128, 16, 8, 1), (64, 256, 16, 8, 1),
-                         (64, 64, 16, 4, 1), (32, 64, 16, 2, 1))
-_dx_term_tuned = triton.autotune(
-    configs=gemm_configs(DX_TERM_CONFIG_SHAPES), key=["m_bucket", "N", "max_rank"],
-    prune_configs_by={"early_config_prune": prune_by_rank})(_lora_train_dx_bwd_kernel)
+@functools.cache
+def _dx_term_tuner(name: str | None):
+    return term_tuner(_lora_train_dx_bwd_kernel, load_configs(CONFIGS_DIR, name)["lora_train_dx_bwd_term"])
+
+
+def dx_term_tuned(device: torch.device):
+    """Kernel 4's LoRA term (base_gemm="blas", the dropout hash beside the accumulator) autotuned
+    over the candidates of device's configs file (one autotuner per GPU name)."""
+    return _dx_term_tuner(device_name(device))
 
 
 def chunk_plan(meta: LoRAKernelMeta, num_cols: int, block_m: int, block_cols: int, device: torch.device,
@@ -342,21 +347,17 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
     max_rank = lora_b.shape[2]
     if not meta.has_lora:
         return (torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=dy.device), torch.zeros_like(lora_b))
-    # H200, bf16, rank 16 (a sweep of tiles, warps and programs per SM; GPU time of the
-    # kernel and its reductions): 128 x 256 at 8 warps took 19.1 us at 4096 x 4096 and 54.3 at
-    # 8192 x 5120, against 24.1 and 59.6 for 64 x 128 at 4 warps, kept above rank 16.
-    # (16-bit only: fp32 tiles of that size need 303 KB of shared memory, over the H200's 227 KB.)
-    # Its 3 stages of 128 x 256 dY tiles take 192 KB of shared memory: one program fits an SM, so
-    # its grid is sized for one program per SM. At two per SM (the smaller tiles' setting), 5120
-    # and 8192 columns ran 160-256 programs, a second wave. H100, rank 16, dropout 0.1 (
-    # benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed): one per SM took 0.905-0.989x the
-    # time of the kernel and its sums there, the same at 4096 columns.
+    # 16-bit operands at rank 16 take the configs' widest tile (one program per SM: its 3 stages of
+    # dY tiles fill the shared memory); fp32 operands, or a caller's own tile, take the fp32 table,
+    # whose tiles fit shared memory at 4 bytes an element.
     wide = (dy.device.type == "cuda" and dy.dtype != torch.float32 and max_rank <= 16 and block_m is None
             and block_n is None)
-    block_m = block_m or (16 if dy.device.type != "cuda" else (128 if wide else 64))
-    block_n = block_n or (32 if dy.device.type != "cuda" else (256 if wide else 128 if max_rank <= 32 else 64))
-    num_warps = num_warps or (8 if wide or max_rank > 32 else 4)
-    per_sm = per_sm or (1 if wide else 2)
+    op = "lora_train_ds_db_bwd" if wide else "lora_train_ds_db_bwd_fp32"
+    tuned = by_rank(train_configs(dy.device)[op]["by_rank"], max_rank)
+    block_m = block_m or (16 if dy.device.type != "cuda" else tuned["block_m"])
+    block_n = block_n or (32 if dy.device.type != "cuda" else tuned["block_n"])
+    num_warps = num_warps or tuned["num_warps"]
+    per_sm = per_sm or tuned["per_sm"]
     rows_per_chunk, num_chunks, n_per_split, num_splits = chunk_plan(meta, out_size, block_m, block_n, dy.device,
                                                                      per_sm)
     # every adapter row is stored by every split; only rows without an adapter need zeros
@@ -392,13 +393,13 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
     max_rank = lora_a.shape[1]
     if not meta.has_lora:
         return torch.zeros_like(lora_a)
-    # H200, bf16, rank 16 (a sweep): 32 x 128 tiles at 4 warps and 4 programs per SM
-    # took 21.9 us at 4096 x 4096 and 53.1 at 8192 x 5120, against 25.9 and 88.6 for 64 x 128 at
-    # 8 warps and 2 per SM; ranks above 32 keep 32 x 64 at 8 warps.
-    block_m = block_m or (16 if x.device.type != "cuda" else 32)
-    block_k = block_k or (32 if x.device.type != "cuda" else (128 if max_rank <= 32 else 64))
-    num_warps = num_warps or (4 if max_rank <= 32 else 8)
-    per_sm = per_sm or (4 if max_rank <= 32 else 2)
+    # Small row tiles at several programs per SM: dA's products are short (r rows), so resident
+    # programs are what hide the loads.
+    tuned = by_rank(train_configs(x.device)["lora_train_da_bwd"]["by_rank"], max_rank)
+    block_m = block_m or (16 if x.device.type != "cuda" else tuned["block_m"])
+    block_k = block_k or (32 if x.device.type != "cuda" else tuned["block_k"])
+    num_warps = num_warps or tuned["num_warps"]
+    per_sm = per_sm or tuned["per_sm"]
     rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
                                                                      per_sm)
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
@@ -422,34 +423,27 @@ def lora_train_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, m
 MAX_TERM_DA_RANK = 64
 
 
-def term_da_tiles(max_rank: int) -> tuple[int, int, int]:
-    """`lora_train_dx_term_da_bwd`'s (BLOCK_M, BLOCK_K, num_warps) on CUDA by rank.
-
-    H200, bf16, rank 16, dropout 0.1 (benchmarks/kernels/lora_dx_term_da.py): 16 x 128
-    at 4 warps took 0.855x the two kernels' time on average over six shapes with a bf16 term and
-    0.925x with the engine's fp32 term (32 x 128: 0.896x and 0.947x; 64-row tiles and more row
-    chunks were slower). Ranks 17-64 keep sizes that compile without spills (ptxas, sm_90, triton
-    3.9): 32 x 128 spills at rank 32 on 4 warps, and 32 x 64 is the widest at rank 64."""
-    if max_rank <= 16:
-        return 16, 128, 4
-    return (32, 128, 8) if max_rank <= 32 else (32, 64, 8)
+def term_da_tiles(max_rank: int, configs: dict | None = None) -> tuple[int, int, int]:
+    """`lora_train_dx_term_da_bwd`'s (BLOCK_M, BLOCK_K, num_warps) on CUDA by rank, from `configs`
+    (the current GPU's by default). Ranks above 16 keep sizes that compile without spills (ptxas,
+    sm_90, triton 3.9)."""
+    tiles = by_rank((configs or train_configs())["lora_train_dx_term_da_bwd"]["by_rank"], max_rank)
+    return tiles["block_m"], tiles["block_k"], tiles["num_warps"]
 
 
 def term_da_chunks(meta: LoRAKernelMeta, in_size: int, block_k: int, device: torch.device, per_sm: int,
-                   lean: bool) -> int:
-    """The one pass's row chunks per segment (at most): 16 where the kernel is its `lean` form (a
-    16-bit term, dS in one 16-bit half) and that grid (segments x chunks x column tiles) still fits
-    `per_sm` programs per SM, else 8. Its small tiles keep few bytes in flight per
-    program, so programs resident on every SM are what hide the latency. H100, rank 16, dropout 0.1
-    (benchmarks/kernels/lora_fused_train_tiles.py, L2 flushed), bf16 term: with 4096
-    columns (32 tiles, 512 programs at 16 chunks) 0.908-0.958x the time of 8 chunks; with 5120 and
-    8192, where 16 chunks make 640 and 1024 programs, 1.02-1.12x. The engine's form (fp32 term, dS
-    in two halves: more registers, fewer programs resident) took 1.075x as long at 16 chunks
-    (15.6 against 14.5 ms per 4096-token sequence of the 8B shape, all seven projections)."""
+                   lean: bool, tuned: dict | None = None) -> int:
+    """The one pass's row chunks per segment (at most; `tuned`: the configs'
+    "lora_train_dx_term_da_bwd", device's by default): lean_max_chunks where the kernel is its `lean`
+    form (a 16-bit term, dS in one 16-bit half) and that grid (segments x chunks x column tiles)
+    still fits `per_sm` programs per SM, else max_chunks. Its small tiles keep few bytes in flight
+    per program, so programs resident on every SM are what hide the latency; past one wave, more
+    chunks only add partial sums."""
+    tuned = tuned or train_configs(device)["lora_train_dx_term_da_bwd"]
     if not lean:  # the engine's form, on its backward's path: nothing to work out
-        return 8
-    doubled = 16 * meta.num_segments * -(-in_size // block_k)  # plain ints: triton.cdiv costs us a call
-    return 16 if doubled <= target_programs(device, per_sm) else 8
+        return tuned["max_chunks"]
+    doubled = tuned["lean_max_chunks"] * meta.num_segments * -(-in_size // block_k)  # plain ints: no triton.cdiv call
+    return tuned["lean_max_chunks"] if doubled <= target_programs(device, per_sm) else tuned["max_chunks"]
 
 
 def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta,
@@ -478,12 +472,14 @@ def lora_train_dx_term_da_bwd(x: torch.Tensor, ds: torch.Tensor, lora_a: torch.T
     term = alloc(num_tokens, in_size, dtype=out_dtype, device=x.device)
     if not meta.has_lora:
         return term, (torch.zeros_like(lora_a) if da_out is None else da_out)
-    tiles = term_da_tiles(max_rank) if x.device.type == "cuda" else (16, 32, 4)
+    configs = train_configs(x.device)
+    tuned = configs["lora_train_dx_term_da_bwd"]
+    tiles = term_da_tiles(max_rank, configs) if x.device.type == "cuda" else (16, 32, 4)
     block_m, block_k, num_warps = block_m or tiles[0], block_k or tiles[1], num_warps or tiles[2]
-    per_sm = per_sm or (4 if max_rank <= 32 else 2)
+    per_sm = per_sm or by_rank(tuned["by_rank"], max_rank)["per_sm"]
     split_ds = split_ds and x.dtype != torch.float32
     max_chunks = max_chunks or term_da_chunks(meta, in_size, block_k, x.device, per_sm,
-                                              lean=not split_ds and out_dtype.itemsize == 2)
+                                              lean=not split_ds and out_dtype.itemsize == 2, tuned=tuned)
     rows_per_chunk, num_chunks, k_per_split, num_splits = chunk_plan(meta, in_size, block_m, block_k, x.device,
                                                                      per_sm, max_chunks)
     da_part = torch.empty(meta.num_segments * num_chunks, max_rank, in_size, dtype=torch.float32, device=x.device)
@@ -519,13 +515,11 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
         return term
     if not meta.has_lora:
         return term.zero_()
-    # H200, rank 16, fp32 term with dS split (`benchmarks/kernels/lora_dx_term_da.py --term-tiles`):
-    # 32 x 128 tiles at 4 warps took 30.8 us at 4096 x 4096 and 83.2 at 4096 x 14336 against 60.1
-    # and 196 for 64 x 128 at 8 warps, which left one program per SM. The small tile spills above
-    # rank 64 (ptxas, sm_90, triton 3.9), where 64 x 128 at 8 warps stays.
-    small = max_rank <= 64
-    block_m, block_n = blocks or ((32, 128) if small else (64, 128))
-    num_warps = num_warps or (4 if small else 8)
+    # Tiles small enough to leave several programs per SM; a wider one above rank 64, where the
+    # small tile spills (ptxas, sm_90, triton 3.9).
+    tuned = by_rank(train_configs(ds.device)["lora_train_dx_term"]["by_rank"], max_rank)
+    block_m, block_n = blocks or (tuned["block_m"], tuned["block_n"])
+    num_warps = num_warps or tuned["num_warps"]
     if ds.device.type != "cuda":
         block_m, block_n, num_warps = 16, 32, 4
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)

@@ -26,12 +26,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flexserve_kernels.lora.train.configs import CONFIGS_DIR, train_configs
 from flexserve_kernels.lora.train.fused import (
     add_lora_fwd_term,
+    gemm_configs,
     grouped_tile,
     launch_scratch,
     rank_block,
 )
+from flexserve_kernels.tuned_configs import device_name, load_configs
 
 # Kernel 2's tail split (`tail_plan`): at most MAX_TAIL_SPLIT K parts per tail tile, each at least
 # MIN_PART_K_BLOCKS steps of BLOCK_K (the launchers' default; the interpreter's tests take 1, to
@@ -133,7 +136,7 @@ def tail_plan_of(num_tiles: int, num_programs: int, k_blocks: int, min_part: int
 def last_forward_plan(num_tokens: int, out_size: int, in_size: int, device: torch.device) -> dict:
     """Kernel 2's tiles as the autotuner picked them for its last CUDA launch (call right after
     the launch at this shape) and the `tail_plan` they give here: the benchmark's record."""
-    c = _fwd_tuned.best_config
+    c = fwd_tma_tuned(device).best_config
     bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
     tiles = triton.cdiv(num_tokens, bm) * triton.cdiv(out_size, bn)
     whole, tail, split = tail_plan_of(tiles, _num_sms(device), triton.cdiv(in_size, bk), device=device)
@@ -210,19 +213,12 @@ def _column_halves(acc):
     return tl.split(tl.permute(tl.reshape(acc, (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1)))
 
 
-# Hopper (sm_90) autotune candidates (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages,
-# WARP_SPECIALIZE, EPILOGUE_SPLIT): none spills up to rank 32 (ptxas, sm_90, triton 3.9, bf16) and
-# each fits the 227 KB of shared memory; above rank 32 every one spills, hence MAX_TMA_RANK. The
-# 128 x 256 candidates store in two halves, which leaves room for a fourth stage. Hopper warp
-# specialization fails to compile at 4 warps, so only 8-warp candidates take it. The last
-# candidate is the one fp32 operands fit (`_fits_shared_memory`).
-FWD_TMA_CONFIG_SHAPES = ((128, 256, 64, 8, 4, True, 2), (128, 256, 64, 8, 4, False, 2),
-                         (128, 256, 64, 8, 3, True, 1), (128, 256, 64, 8, 3, False, 1),
-                         (128, 128, 64, 8, 4, True, 1), (128, 128, 64, 8, 4, False, 1),
-                         (128, 128, 64, 4, 4, False, 1), (128, 128, 128, 8, 3, False, 1),
-                         (128, 128, 32, 8, 3, False, 1))
+# Hopper (sm_90) autotune candidates: the configs file's "lora_train_linear_fwd_tma". None may
+# spill up to rank 32 (ptxas, sm_90, triton 3.9, bf16) and each must fit the 227 KB of shared
+# memory; above rank 32 every one spilled, hence MAX_TMA_RANK. Hopper warp specialization fails to
+# compile at 4 warps, so only 8-warp candidates take it. The last candidate must be one that fp32
+# operands fit (`_fits_shared_memory`).
 MAX_TMA_RANK = 32
-_LARGEST_FWD_TILE = max(m * n for m, n, *_ in FWD_TMA_CONFIG_SHAPES)
 
 
 def _block_shape(values: dict, operand: tuple[str, ...]) -> list[int]:
@@ -242,18 +238,16 @@ def _set_blocks(operands: tuple[tuple[str, ...], ...]):
     return hook
 
 
-_FWD_EXTRAS = ("WARP_SPECIALIZE", "EPILOGUE_SPLIT")
+_FWD_EXTRAS = ("warp_specialize", "epilogue_split")
 
 
-def _configs(shapes, operands, extras) -> list[triton.Config]:
-    """triton.Configs of the candidate tuples: the tiles, warps and stages, then the constexprs
-    named in `extras`."""
+def _configs(candidates: list[dict], operands, extras) -> list[triton.Config]:
+    """triton.Configs of a configs file's candidates (`gemm_configs`, with the constexprs named in
+    `extras`), each with a pre_hook that sets the descriptors' blocks."""
     hook = _set_blocks(operands)
-    configs = []
-    for m, n, k, w, s, *rest in shapes:
-        extra = dict(zip(extras, rest))
-        configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, **extra}, num_warps=w,
-                                     num_stages=s, pre_hook=hook))
+    configs = gemm_configs(candidates, extras)
+    for c in configs:
+        c.pre_hook = hook
     return configs
 
 
@@ -279,10 +273,26 @@ def _fits_shared_memory(configs, named_args, **kwargs):
 
 
 _TUNE_KEY = ["m_bucket", "N", "K", "max_rank"]
-_fwd_tuned = triton.autotune(configs=_configs(FWD_TMA_CONFIG_SHAPES, _FWD_OPERANDS, _FWD_EXTRAS),
-                             key=_TUNE_KEY,
-                             prune_configs_by={"early_config_prune": _fits_shared_memory})(
-    _lora_train_linear_fwd_tma_kernel)
+
+
+@functools.cache
+def _fwd_tuner(name: str | None):
+    candidates = load_configs(CONFIGS_DIR, name)["lora_train_linear_fwd_tma"]["candidates"]
+    return triton.autotune(configs=_configs(candidates, _FWD_OPERANDS, _FWD_EXTRAS), key=_TUNE_KEY,
+                           prune_configs_by={"early_config_prune": _fits_shared_memory})(
+        _lora_train_linear_fwd_tma_kernel)
+
+
+def fwd_tma_tuned(device: torch.device):
+    """Kernel 2 over TMA autotuned over the candidates of device's configs file (one autotuner per
+    GPU name)."""
+    return _fwd_tuner(device_name(device))
+
+
+def largest_fwd_tile(device: torch.device) -> int:
+    """The most elements of one output tile among device's candidates (the tail's partial tiles)."""
+    candidates = train_configs(device)["lora_train_linear_fwd_tma"]["candidates"]
+    return max(c["block_m"] * c["block_n"] for c in candidates)
 
 
 @functools.cache
@@ -358,12 +368,12 @@ def linear_fwd_tma(x, weight, s, lora_b, y, token_segs, meta, slots, blocks=None
     # The tail's fp32 partials: one tile per program at most (tail * split <= programs), of the
     # largest candidate tile when autotuned.
     programs = _num_sms(x.device)
-    tile = blocks[0] * blocks[1] if blocks else _LARGEST_FWD_TILE
+    tile = blocks[0] * blocks[1] if blocks else largest_fwd_tile(x.device)
     part = launch_scratch("tma_tail_parts", x.device, programs * tile, torch.float32)
     counters = launch_scratch("tma_tail", x.device, programs)
     rest = (s, lora_b, meta.token_slots, token_segs, meta.seg_starts, meta.seg_lens, meta.seg_slots, slots.scalings,
             part, counters, num_tokens, out_size, in_size, max_rank,
             triton.next_power_of_2(num_tokens), s.stride(0), lora_b.stride(0), lora_b.stride(1))
-    _launch(_lora_train_linear_fwd_tma_kernel, _fwd_tuned, _FWD_OPERANDS, (x, weight, y), rest, num_tokens,
+    _launch(_lora_train_linear_fwd_tma_kernel, fwd_tma_tuned(x.device), _FWD_OPERANDS, (x, weight, y), rest, num_tokens,
             out_size, max_rank, blocks, untuned=dict(WARP_SPECIALIZE=False, EPILOGUE_SPLIT=epilogue_split),
             every_sm=True, MIN_PART=min_part_k_blocks)

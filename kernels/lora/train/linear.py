@@ -17,18 +17,18 @@ from flexserve_kernels.lora.serve.shrink import check_launchable
 from flexserve_kernels.lora.train.fused import (
     BASE_GEMMS,
     LoRATrainSlots,
-    _linear_term_tuned,
     _lora_train_linear_fwd_kernel,
     check_base_gemm,
     check_train_args,
     kernel_seed,
+    linear_term_tuned,
     lora_train_shrink_fwd,
     rank_block,
     token_segments,
 )
 from flexserve_kernels.lora.train.fused_bwd import (
-    _dx_term_tuned,
     _lora_train_dx_bwd_kernel,
+    dx_term_tuned,
     lora_train_da_bwd,
     lora_train_ds_db_bwd,
     lora_train_dx_term_da_bwd,
@@ -107,7 +107,7 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
 
     base_gemm "blas": the kernel writes the LoRA term (zero rows for tokens without an adapter)
     and `addmm_` adds x W^T to it in torch's GEMM; "tma": `fused_tma.linear_fwd_tma`. The tiles
-    are autotuned (TERM_CONFIG_SHAPES, FWD_TMA_CONFIG_SHAPES) when `autotune` (default: on CUDA),
+    are autotuned (the configs file's candidates) when `autotune` (default: on CUDA),
     else `blocks` = (BLOCK_M, BLOCK_N, BLOCK_K), small ones by default (the interpreter's tests).
     """
     check_base_gemm(base_gemm)
@@ -125,7 +125,7 @@ def lora_train_linear_fwd(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor
             s.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0))
     if autotune if autotune is not None else x.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(out_size, c["BLOCK_N"]),)  # noqa: E731
-        _linear_term_tuned[grid](*args, BLOCK_R=rank_block(max_rank))
+        linear_term_tuned(x.device)[grid](*args, BLOCK_R=rank_block(max_rank))
     else:
         block_m, block_n, block_k = blocks or (16, 32, 32)
         grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
@@ -138,7 +138,7 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
                       meta: LoRAKernelMeta, slots: LoRATrainSlots, token_segs: torch.Tensor, seed: int,
                       *, blocks: tuple[int, int, int] | None = None, autotune: bool | None = None) -> torch.Tensor:
     """Kernel 4: dX [T, in] = dY W + dropout'(dS A[slot]): the kernel writes the LoRA term and
-    `addmm_` adds dY W to it in torch's GEMM; autotuned (DX_TERM_CONFIG_SHAPES) when `autotune`
+    `addmm_` adds dY W to it in torch's GEMM; autotuned (the configs file's candidates) when `autotune`
     (default: on CUDA), else `blocks` = (BLOCK_M, BLOCK_N over in, BLOCK_K unused)."""
     check_launchable(dy, _lora_train_dx_bwd_kernel)
     num_tokens, out_size = dy.shape
@@ -152,7 +152,8 @@ def lora_train_dx_bwd(dy: torch.Tensor, weight: torch.Tensor, ds: torch.Tensor, 
             ds.stride(0), lora_a.stride(0), lora_a.stride(1), dx.stride(0))
     if autotune if autotune is not None else dy.device.type == "cuda" and blocks is None:
         grid = lambda c: (triton.cdiv(num_tokens, c["BLOCK_M"]) * triton.cdiv(in_size, c["BLOCK_N"]),)  # noqa: E731
-        _dx_term_tuned[grid](*args, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False, BLOCK_R=rank_block(max_rank))
+        dx_term_tuned(dy.device)[grid](*args, HAS_DROPOUT=slots.has_dropout, SPLIT_DS=False,
+                                       BLOCK_R=rank_block(max_rank))
     else:
         block_m, block_n, block_k = blocks or (16, 32, 32)
         grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
