@@ -16,9 +16,14 @@ the fp32 sum rounded once (tests/test_gemv_argmax_kernels.py), not bit-equal to 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from flexserve_kernels.configs import CONFIGS_DIR
+from flexserve_kernels.tuned_configs import device_name, load_configs
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 4  # the most rows it takes; on an H200 it beats cuBLAS at one row only
@@ -64,16 +69,18 @@ def _gemv_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-# From a sweep of 184 configs at one row on an H200 (docs/benchmarks.md): 8 x 1024
-# with 4 warps is within 2% of the best on o, down, gate/up and lm_head; q/k/v's best is smaller
-# tiles. num_stages changed nothing (the loads feed no tl.dot, so nothing is pipelined).
-_DEFAULT_CONFIG = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
-_TUNED = {(6144, 4096): dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=1)}  # Llama-3-8B q/k/v
+def gemv_config(n: int, k: int, device: torch.device | str | None = None) -> dict:
+    """BLOCK_N, BLOCK_K, num_warps and num_stages for `gemv` of weight [n, k] on device (the
+    configs file's "gemv": its entry for "NxK", else its default). num_stages stays 1: the loads
+    feed no tl.dot, so nothing is pipelined."""
+    return _gemv_config(n, k, device_name(device))
 
 
-def gemv_config(n: int, k: int) -> dict:
-    """BLOCK_N, BLOCK_K, num_warps and num_stages for `gemv` of weight [n, k]."""
-    return _TUNED.get((n, k), _DEFAULT_CONFIG)
+@functools.lru_cache(maxsize=256)
+def _gemv_config(n: int, k: int, name: str | None) -> dict:
+    tuned = load_configs(CONFIGS_DIR, name)["gemv"]
+    c = tuned.get("by_shape", {}).get(f"{n}x{k}", tuned["default"])
+    return dict(BLOCK_N=c["block_n"], BLOCK_K=c["block_k"], num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def gemv(
@@ -109,7 +116,7 @@ def gemv(
         return out
     if k == 0:
         return out.copy_(bias.expand(num_rows, n) if bias is not None else torch.zeros_like(out))
-    cfg = dict(gemv_config(n, k) if config is None else config)
+    cfg = dict(gemv_config(n, k, x.device) if config is None else config)
     block_n, block_k = cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     block_k = min(block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n),)](

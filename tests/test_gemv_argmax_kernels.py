@@ -19,6 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexserve_kernels.configs import kernel_configs
+
 from _triton_interpret import import_kernels, interpreter_hooks, is_interpreted, library_is_compiled
 
 gemv_mod, argmax_mod = import_kernels(
@@ -100,7 +102,8 @@ def test_gemv_strided_rows_and_tuned_configs():
     wide_x, wide_w = randn(1, 700), randn(50, 700, seed=1)
     x, w = wide_x[:, 3:603], wide_w[:, 5:605]
     expected = gemv_mod.gemv_ref(x, w)
-    configs = [gemv_mod.gemv_config(1, 1), *gemv_mod._TUNED.values()]
+    shapes = kernel_configs()["gemv"]["by_shape"]
+    configs = [gemv_mod.gemv_config(1, 1), *(gemv_mod.gemv_config(*map(int, shape.split("x"))) for shape in shapes)]
     for config in configs:
         assert_close_rel(gemv_mod.gemv(x, w, config=dict(config)), expected, RTOL[torch.float32],
                          magnitude(x, w))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flexserve_kernels import tuned_configs
+from flexserve_kernels.configs import CONFIGS_DIR as KERNEL_CONFIGS_DIR
 from flexserve_kernels.lora.train import configs as train_configs_module
 from flexserve_kernels.lora.train.configs import CONFIGS_DIR, train_configs
 from flexserve_kernels.tuned_configs import by_rank, config_file_name, load_configs
@@ -142,3 +143,24 @@ def test_by_rank_takes_the_smallest_covering_entry():
     with pytest.raises(ValueError, match="rank 65"):
         by_rank(table, 65)
 
+
+@pytest.mark.parametrize("name", (None, *GPU_NAMES))
+def test_every_file_carries_the_gemv_settings(name):
+    gemv = load_configs(KERNEL_CONFIGS_DIR, name)["gemv"]
+    assert gemv["default"] == dict(block_n=8, block_k=1024, num_warps=4, num_stages=1)
+    assert gemv["by_shape"] == {"6144x4096": dict(block_n=4, block_k=512, num_warps=2, num_stages=1)}
+
+
+def test_gemv_config_reads_the_device_file(monkeypatch):
+    from flexserve_kernels.gemv import gemv_config
+
+    assert gemv_config(6144, 4096, "cpu") == dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=1)
+    assert gemv_config(4096, 4096, "cpu") == dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1)
+    monkeypatch.setattr(tuned_configs, "_cuda_device_name", lambda index: "NVIDIA H200")
+    assert gemv_config(6144, 4096, "cuda:0") == dict(BLOCK_N=4, BLOCK_K=512, num_warps=2, num_stages=1)
+
+
+def test_shape_keys_are_checked(tmp_path):
+    _write(tmp_path, "default.json", {"gemv": {"by_shape": {"6144-4096": {"block_n": 4}}}})
+    with pytest.raises(ValueError, match="default.json: gemv.by_shape has shape key '6144-4096'"):
+        load_configs(str(tmp_path), None)
