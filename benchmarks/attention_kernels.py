@@ -274,7 +274,11 @@ def compile_check(arch: int = 90) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flexserve_kernels import activation, decode_attention, kv_cache_write, paged_attention, rmsnorm, rotary
+    from flexserve_kernels import activation
+    from flexserve_kernels.attention import decode as decode_attention
+    from flexserve_kernels.attention import kv_cache_write
+    from flexserve_kernels.attention import paged as paged_attention
+    from flexserve_kernels.norm_rope import rmsnorm, rotary
 
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     # Strides that are not multiples of 16 in general (they scale with num_splits).
@@ -377,8 +381,10 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
     import importlib
 
-    kernels = {name: importlib.import_module(f"flexserve_kernels.{name}") for name in (
-        "paged_attention", "decode_attention", "kv_cache_write", "rmsnorm", "rotary", "activation")}
+    kernels = {name: importlib.import_module(f"flexserve_kernels.{module}") for name, module in (
+        ("paged_attention", "attention.paged"), ("decode_attention", "attention.decode"),
+        ("kv_cache_write", "attention.kv_cache_write"), ("rmsnorm", "norm_rope.rmsnorm"),
+        ("rotary", "norm_rope.rotary"), ("activation", "activation"))}
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16  # the interpreter's dot has no bf16
     shape = SMOKE if args.smoke else LLAMA8B

@@ -99,9 +99,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from flexserve_kernels import lora_fused_train as fused
-    from flexserve_kernels.lora.train.ref import lora_train_shrink_ref
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
+    from flexserve_kernels.lora.train import fused
+    from flexserve_kernels.lora.train.ref import lora_train_shrink_ref
 
     assert torch.cuda.is_available(), "needs CUDA (use --dry-run without)"
     device = torch.device("cuda")
