@@ -30,3 +30,20 @@ def train_hf_peft(model_dir, adapter_dir, examples, steps, lr, dtype) -> dict[st
         optimizer.zero_grad()
     return {k.replace(".default", ""): p.detach().double()
             for k, p in model.named_parameters() if p.requires_grad}
+
+
+def save_random_peft_adapter(model_dir, adapter_dir, target_modules, generator, scale) -> str:
+    """A PEFT LoRA adapter (r 8, alpha 16) on `model_dir`'s `target_modules` with every A and B
+    entry drawn as randn * `scale` from `generator` (non-zero B: the adapter changes the output),
+    saved by peft into `adapter_dir`; returns `adapter_dir` as a str."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                LoraConfig(r=8, lora_alpha=16, target_modules=target_modules))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    peft_model.save_pretrained(adapter_dir)
+    return str(adapter_dir)

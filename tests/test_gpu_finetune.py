@@ -18,7 +18,7 @@ from flexserve import LLM
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
 
-from _hf_training import train_hf_peft
+from _hf_training import save_random_peft_adapter, train_hf_peft
 
 pytestmark = [pytest.mark.gpu]
 
@@ -28,21 +28,11 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 def _job_setup(tiny_config, tiny_checkpoint, tmp_path):
     """(model_dir, adapter_dir, examples, data, hp, steps, lr): a tiny Llama, a PEFT
     init adapter with non-zero B on TARGETS, four random sequences, two steps of two."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=128)
     model_dir = tiny_checkpoint(config, seed=5)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                                LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
-    adapter_dir = str(tmp_path / "init")
-    peft_model.save_pretrained(adapter_dir)
+    adapter_dir = save_random_peft_adapter(model_dir, tmp_path / "init", TARGETS, g, 0.1)
 
     examples = []
     for i, n in enumerate((23, 37, 16, 41)):

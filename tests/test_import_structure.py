@@ -18,19 +18,7 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"flexserve": ROOT / "flexserve", "flexserve_kernels": ROOT / "kernels"}
-
-
-def module_name(package: str, folder: Path, path: Path) -> str:
-    parts = [package, *path.relative_to(folder).with_suffix("").parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-@cache
-def source_modules() -> dict[str, Path]:
-    return {module_name(package, folder, path): path
-            for package, folder in PACKAGES.items() for path in folder.rglob("*.py")}
+from _source_tree import ROOT, source_modules
 
 
 def imported_names(path: Path, name: str) -> set[str]:

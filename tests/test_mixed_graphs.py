@@ -23,7 +23,7 @@ from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.mixed_graphs import _segments, bucket, row_buckets, token_buckets
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
-from _hf_training import train_hf_peft
+from _hf_training import save_random_peft_adapter, train_hf_peft
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -74,21 +74,11 @@ def test_arena_allocates_first_fit_and_clears():
 
 
 def _setup(tiny_config, tiny_checkpoint, tmp_path):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=128)
     model_dir = tiny_checkpoint(config, seed=3)
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                                LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
-    adapter_dir = str(tmp_path / "init")
-    peft_model.save_pretrained(adapter_dir)
+    adapter_dir = save_random_peft_adapter(model_dir, tmp_path / "init", TARGETS, g, 0.1)
     examples = []
     for i, n in enumerate((23, 37, 16, 41)):
         ids = torch.randint(0, config.vocab_size, (n,), generator=g).tolist()

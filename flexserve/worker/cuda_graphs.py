@@ -26,7 +26,6 @@ from torch import nn
 
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
-from flexserve_kernels.attention.decode import decode_num_splits
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
@@ -76,6 +75,9 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
         self.token_slots = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+        # Triton's module is imported here, not at the top: a CPU server runs without Triton.
+        from flexserve_kernels.attention.decode import decode_num_splits
+
         self.num_splits = {
             b: decode_num_splits(b, num_kv_heads, max_model_len, device) for b in self.batch_sizes
         }

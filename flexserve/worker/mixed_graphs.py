@@ -36,8 +36,6 @@ from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.worker.finetune.graph_capture import GraphCapture, KeptTensor
-from flexserve_kernels.attention.decode import decode_num_splits
-from flexserve_kernels.attention.paged import prefill_block_m
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta, segment_tile_map
 
 logger = logging.getLogger(__name__)
@@ -107,6 +105,12 @@ class MixedGraphRunner:
         self.token_sizes = token_buckets(max_num_tokens)
         self.row_sizes = row_buckets(max_num_rows)
         self.arena_of = arena_of  # () -> the fine-tuning ActivationArena (graph captures)
+        # The kernels' launch shapes come from their Triton modules, imported here rather than at
+        # the top so that a CPU server, which never builds this runner, runs without Triton.
+        from flexserve_kernels.attention.decode import decode_num_splits
+        from flexserve_kernels.attention.paged import prefill_block_m
+
+        self._prefill_block_m = prefill_block_m
         max_tokens, max_rows = self.token_sizes[-1], self.row_sizes[-1]
         max_blocks = -(-max_model_len // block_size)
         self.max_attn_tiles = self._attn_tiles(max_tokens, max_rows)
@@ -140,7 +144,7 @@ class MixedGraphRunner:
 
     # ------------------------------------------------------------------------------ buckets
     def _attn_block_m(self, num_tokens: int) -> int:
-        return prefill_block_m(self.head_dim, self.dtype, num_tokens)
+        return self._prefill_block_m(self.head_dim, self.dtype, num_tokens)
 
     def _attn_tiles(self, num_tokens: int, num_rows: int) -> int:
         return -(-num_tokens // self._attn_block_m(num_tokens)) + num_rows

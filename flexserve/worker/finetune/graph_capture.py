@@ -21,7 +21,6 @@ import torch
 
 from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve_kernels.lora.serve.ops import lora_shrink
-from flexserve_kernels.row_copy import copy_rows
 
 # Names a graph capture cannot keep: they need per-window work (dropout, per-slot deltas).
 UNSUPPORTED_SUFFIXES = ("_delta", "_xd", "_mask")
@@ -55,6 +54,10 @@ class GraphCapture:
         spec = self.kept.get((layer, name))
         if spec is None:
             return
+        # Imported here: only mixed-iteration graphs (CUDA) capture, and a CPU server runs
+        # without Triton. A capture runs this once per kept tensor; replays run no Python.
+        from flexserve_kernels.row_copy import copy_rows
+
         target = self.arena.tensor(layer, name, spec.width, spec.dtype)
         copy_rows(target, self.dest, tensor, self.src, self.count)
 
