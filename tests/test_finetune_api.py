@@ -4,6 +4,8 @@ CPU) with the files and fine-tuning jobs API, checkpoints served by name while t
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -205,9 +207,19 @@ def test_a_job_trains_serves_its_checkpoints_while_training_and_memorizes(client
     losses = [d["train_loss"] for d in train]
     assert losses[-1] < losses[0] / 100  # the loss falls (4.9 -> 0.003 measured)
     assert job.trained_tokens == train[-1]["trained_tokens"] > 0
+    accuracies = [d["train_mean_token_accuracy"] for d in train]
+    assert all(0.0 <= a <= 1.0 for a in accuracies)
+    assert accuracies[0] < 0.5 and accuracies[-1] == 1.0  # memorized: every argmax is right
 
     checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id, limit=100).data
     assert [c.step_number for c in checkpoints] == list(range(12, 0, -1))  # newest first
+    # Retention (--keep-checkpoints 3): the newest three stay on disk, the others are deleted
+    # and their records say so.
+    for c in checkpoints:
+        kept = c.step_number > 9
+        assert os.path.isdir(c.model_extra["adapter_path"]) == kept
+        assert (c.model_extra["deleted_at"] is None) == kept
+        assert c.metrics.train_mean_token_accuracy == pytest.approx(accuracies[c.step_number - 1])
     assert checkpoints[0].fine_tuned_model_checkpoint == f"{name}:ckpt-step-12"
     assert job.model_extra["adapter_path"] == checkpoints[0].model_extra["adapter_path"]
     assert os.path.isfile(os.path.join(job.model_extra["adapter_path"], "adapter_config.json"))
@@ -223,12 +235,35 @@ def test_a_job_trains_serves_its_checkpoints_while_training_and_memorizes(client
         assert complete(client, name, fact["prompt"]).startswith(fact["completion"].rstrip("."))
     models = {m.id: m for m in client.models.list().data}
     assert models[name].model_extra["parent"] == MODEL
-    assert {f"{name}:ckpt-step-{n}" for n in range(1, 13)} <= set(models)
+    # /v1/models lists the job's name and its newest checkpoint; older kept checkpoints serve
+    # by name unlisted, deleted ones not at all.
+    job_models = {m for m in models if m.startswith(name)}
+    assert job_models == {name, f"{name}:ckpt-step-12"}
+    assert complete(client, f"{name}:ckpt-step-10", FACTS[0]["prompt"], max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        complete(client, f"{name}:ckpt-step-9", FACTS[0]["prompt"], max_tokens=2)
 
-    # A fine-tuned model is a base for a further job: it starts from that adapter.
+    # The per-step metrics CSV, a file of purpose fine-tune-results.
+    assert len(job.result_files) == 1
+    result = client.files.retrieve(job.result_files[0])
+    assert (result.purpose, result.filename) == ("fine-tune-results", "step_metrics.csv")
+    rows = list(csv.DictReader(io.StringIO(client.files.content(result.id).read().decode())))
+    assert list(rows[0]) == ["step", "train_loss", "train_mean_token_accuracy", "valid_loss",
+                             "valid_mean_token_accuracy", "full_valid_loss",
+                             "full_valid_mean_token_accuracy"]
+    assert [int(r["step"]) for r in rows] == list(range(1, 13))
+    assert [float(r["train_loss"]) for r in rows] == losses
+    assert [float(r["train_mean_token_accuracy"]) for r in rows] == accuracies
+    assert [float(r["valid_loss"]) for r in rows] == [by_step[n].valid_loss
+                                                      for n in range(1, 13)]
+    assert {r["valid_mean_token_accuracy"] for r in rows} == {""}  # not computed
+
+    # A fine-tuned model is a base for a further job: it starts from that adapter and trains
+    # (and reports) its LoRA settings, not the defaults.
     follow = client.fine_tuning.jobs.create(model=name, training_file=facts_file, seed=3,
-                                            hyperparameters={"n_epochs": 1, "batch_size": 2},
-                                            extra_body={"lora": LORA})
+                                            hyperparameters={"n_epochs": 1, "batch_size": 2})
+    assert (follow.model_extra["lora"]["r"], follow.model_extra["lora"]["alpha"]) == (8, 16)
+    assert follow.model_extra["lora"]["target_modules"] == sorted(LORA["target_modules"])
     follow = wait_for(client, follow.id, lambda j: j.status in ("succeeded", "failed"))
     assert follow.status == "succeeded", follow.error
     assert follow.model_extra["lora"]["init_adapter"] == job.model_extra["adapter_path"]
@@ -240,6 +275,7 @@ def test_a_job_trains_serves_its_checkpoints_while_training_and_memorizes(client
     metrics = scrape(server)
     assert metrics[("flexserve:finetune_steps_total", (("job_id", job.id),))] == 12
     assert metrics[("flexserve:finetune_loss", (("job_id", job.id),))] == pytest.approx(losses[-1])
+    assert metrics[("flexserve:finetune_progress", (("job_id", job.id),))] == 1.0
     assert metrics[("flexserve:finetune_jobs", (("state", "succeeded"),))] >= 1
 
 
@@ -278,6 +314,60 @@ def test_queued_jobs_start_in_order_and_cancel_works(client, server, facts_file)
     assert scrape(server)[("flexserve:finetune_jobs", (("state", "cancelled"),))] == 2
 
 
+def adapter_tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "adapter_model.safetensors"))
+
+
+def test_pause_places_no_windows_and_resume_trains_the_same_adapter(client, server, facts_file):
+    def create():
+        return client.fine_tuning.jobs.create(
+            model=MODEL, training_file=facts_file, seed=4, extra_body={"lora": LORA},
+            hyperparameters={"n_epochs": 10, "batch_size": 1, "lr_scheduler": "constant"})
+
+    job = create()
+    wait_for(client, job.id, lambda j: j.status == "running")
+    paused = client.post(f"/fine_tuning/jobs/{job.id}/pause",
+                         cast_to=openai.types.fine_tuning.FineTuningJob)
+    assert paused.status == "paused" and 0 < paused.model_extra["adapter_path"].count("step-")
+    step = len(client.fine_tuning.jobs.checkpoints.list(job.id, limit=100).data)
+    assert step < 20 and not engine_holds(server, job.id)
+    tokens = scrape(server).get(("flexserve:finetune_tokens_total",
+                                 (("job_id", job.id), ("phase", "forward"))))
+    time.sleep(1.0)  # paused: it places no windows and takes no steps
+    assert scrape(server).get(("flexserve:finetune_tokens_total",
+                               (("job_id", job.id), ("phase", "forward")))) == tokens
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "paused"
+    assert len(client.fine_tuning.jobs.checkpoints.list(job.id, limit=100).data) == step
+    with pytest.raises(openai.BadRequestError) as e:  # only a queued or running job pauses
+        client.post(f"/fine_tuning/jobs/{job.id}/pause", cast_to=object)
+    assert e.value.body["code"] == "job_not_pausable"
+
+    resumed = client.post(f"/fine_tuning/jobs/{job.id}/resume",
+                          cast_to=openai.types.fine_tuning.FineTuningJob)
+    assert resumed.status in ("queued", "running")
+    running = wait_for(client, job.id, lambda j: j.estimated_finish is not None
+                       or j.status == "succeeded")
+    assert running.status == "running" and running.estimated_finish >= int(time.time()) - 1
+    done = wait_for(client, job.id, lambda j: j.status in ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    assert done.estimated_finish is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post(f"/fine_tuning/jobs/{job.id}/resume", cast_to=object)
+    assert e.value.body["code"] == "job_not_resumable"
+
+    reference = wait_for(client, create().id, lambda j: j.status in ("succeeded", "failed"))
+    assert reference.status == "succeeded"
+    ours, theirs = (adapter_tensors(j.model_extra["adapter_path"]) for j in (done, reference))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key].equal(theirs[key]), key
+    losses = [[e.data["train_loss"] for e in all_events(client, j.id)
+               if e.type == "metrics" and "train_loss" in e.data] for j in (done, reference)]
+    assert losses[0] == losses[1] and len(losses[0]) == 20
+
+
 @pytest.mark.parametrize("changes, param", [
     ({"training_file": "file-000000000000000000000000"}, "training_file"),
     ({"validation_file": "file-000000000000000000000000"}, "validation_file"),
@@ -293,6 +383,7 @@ def test_queued_jobs_start_in_order_and_cancel_works(client, server, facts_file)
     ({"extra_body": {"lora": {"r": 64}}}, "lora.r"),
     ({"extra_body": {"lora": {"target_modules": ["lm_head"]}}}, "lora.target_modules"),
     ({"suffix": "a:b"}, "suffix"),
+    ({"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]}, "integrations"),
 ])
 def test_bad_jobs_are_rejected_with_400_naming_the_parameter(client, facts_file, changes, param):
     before = [j.id for j in client.fine_tuning.jobs.list(limit=100).data]
@@ -334,6 +425,7 @@ def test_openapi_lists_the_fine_tuning_routes(server):
     assert {"/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content",
             "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{job_id}",
             "/v1/fine_tuning/jobs/{job_id}/cancel", "/v1/fine_tuning/jobs/{job_id}/events",
+            "/v1/fine_tuning/jobs/{job_id}/pause", "/v1/fine_tuning/jobs/{job_id}/resume",
             "/v1/fine_tuning/jobs/{job_id}/checkpoints"} <= set(paths)
 
 

@@ -85,7 +85,7 @@ def run(scheduler: Scheduler, max_steps: int = 500) -> list:
                 result.sampled_token_ids[row.request_id] = 1
         for w in plan.finetune_windows:
             result.finetune_losses[(w.job_id, w.sequence_id)] = (1.0 * (w.end - w.start),
-                                                                 w.end - w.start)
+                                                                 w.end - w.start, 0)
         for job_id in plan.optimizer_steps:
             result.grad_norms[job_id] = 1.0
         scheduler.update(plan, result)
@@ -172,7 +172,7 @@ def finetune_only(num_blocks: int = 64) -> FinetuneScheduler:
 
 def fold(ft: FinetuneScheduler, plan: BatchPlan, errors: dict[str, str] | None = None) -> None:
     """Update with what a worker would return: loss 2.0 per token, grad norm 0.5 per step."""
-    losses = {(w.job_id, w.sequence_id): (2.0 * (w.end - w.start), w.end - w.start)
+    losses = {(w.job_id, w.sequence_id): (2.0 * (w.end - w.start), w.end - w.start, 0)
               for w in plan.finetune_windows}
     ft.update(plan, losses, dict.fromkeys(plan.optimizer_steps, 0.5), errors or {})
 

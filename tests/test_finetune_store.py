@@ -173,7 +173,7 @@ def test_job_round_trip_and_update(store):
         store.update_job("ftjob-" + "0" * 24, status="running")
     assert store.get_job("ftjob-" + "0" * 24) is None
     with pytest.raises(ValueError):
-        store.add_job(make_job(status="paused"))
+        store.add_job(make_job(status="sleeping"))
 
 
 def test_list_jobs_pages_newest_first(store, same_second):
@@ -507,7 +507,7 @@ def test_a_version_1_store_is_migrated_in_place(tmp_path):
     file_id, job_id = old_store(state_dir)
     with StateStore(state_dir) as s:
         version = s._conn.execute("PRAGMA user_version").fetchone()[0]
-        assert version == SCHEMA_VERSION == 2
+        assert version == SCHEMA_VERSION == 3
         old = s.get_file(file_id)
         assert (old.filename, old.bytes, old.tenant) == ("old.jsonl", 16, "default")
         assert s.read_file(file_id, tenant="default") == b'{"text": "old"}\n'  # content kept

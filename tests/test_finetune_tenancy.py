@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -147,12 +148,16 @@ def test_each_tenant_sees_and_touches_only_its_own_files_and_jobs(clients):
     assert cancelled.status == "cancelled"
     done = wait_for(bob, bob_job.id, lambda j: j.status in ("succeeded", "failed"))
     assert done.status == "succeeded", done.error
-    # Models are the one shared thing: a fine-tuned model serves every tenant by name.
-    for client in (alice, bob, plain):
-        answer = client.completions.create(model=done.fine_tuned_model, prompt="the quick",
-                                           max_tokens=3, temperature=0)
-        assert answer.choices[0].finish_reason == "length"
-    assert done.fine_tuned_model in {m.id for m in alice.models.list().data}
+    # A fine-tuned model is its tenant's: to another tenant it is an unknown model.
+    answer = bob.completions.create(model=done.fine_tuned_model, prompt="the quick",
+                                    max_tokens=3, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+    assert done.fine_tuned_model in {m.id for m in bob.models.list().data}
+    for client in (alice, plain):
+        status, body = error_of(client.completions.create, model=done.fine_tuned_model,
+                                prompt="the quick", max_tokens=3)
+        assert status == 404 and body["code"] == "model_not_found"
+        assert not {m.id for m in client.models.list().data} & {done.fine_tuned_model}
 
 
 def test_without_api_keys_everything_belongs_to_the_default_tenant(model_dir, tmp_path):
@@ -172,6 +177,91 @@ def test_without_api_keys_everything_belongs_to_the_default_tenant(model_dir, tm
         done = wait_for(clients[0], job.id, lambda j: j.status in ("succeeded", "failed"))
         assert done.status == "succeeded", done.error
         assert clients[0].files.delete(first.id).deleted
+    finally:
+        thread.stop()
+        engine.shutdown()
+
+
+def post(url: str, key: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{route}", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=30)
+
+
+def test_fine_tuned_models_belong_to_their_tenant_across_restarts(model_dir, tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text(KEY_FILE)
+    key_file.chmod(0o600)
+    keys = APIKeyTable.from_sources(None, str(key_file))
+    state_dir = str(tmp_path / "state")
+    engine, thread, url = start_server(model_dir, state_dir, keys)
+    alice_key, bob_key = KEYS["alice"], KEYS["bob"]
+    try:
+        bob = openai.OpenAI(base_url=url + "/v1", api_key=bob_key, max_retries=0)
+        alice = openai.OpenAI(base_url=url + "/v1", api_key=alice_key, max_retries=0)
+        file_b = bob.files.create(file=("b.jsonl", jsonl("the quick brown fox")),
+                                  purpose="fine-tune")
+        job = bob.fine_tuning.jobs.create(model=MODEL, training_file=file_b.id, seed=2,
+                                          hyperparameters={"n_epochs": 2}, suffix="bob",
+                                          extra_body={"lora": LORA})
+        job = wait_for(bob, job.id, lambda j: j.status in ("succeeded", "failed"))
+        assert job.status == "succeeded", job.error
+        name, path = job.fine_tuned_model, job.model_extra["adapter_path"]
+        checkpoint = f"{name}:ckpt-step-2"
+        unknown = f"ft:{MODEL}:bob:{UNKNOWN_JOB}"
+
+        def answer(key: str, route: str, body: dict) -> tuple[int, dict | str]:
+            response = post(url, key, route, body)
+            return response.status_code, (response.json() if response.status_code >= 400
+                                          else response.text)
+
+        # Another tenant: unload, load (the name, or the directory under another name) and use
+        # answer exactly what an unknown name answers.
+        for target in (name, checkpoint):
+            status, body = answer(alice_key, "unload_lora_adapter", {"lora_name": target})
+            _, unknown_body = answer(alice_key, "unload_lora_adapter", {"lora_name": unknown})
+            assert status == 404
+            assert body == json.loads(json.dumps(unknown_body).replace(unknown, target))
+            status, body = answer(alice_key, "load_lora_adapter",
+                                  {"lora_name": target, "lora_path": path})
+            assert status == 404 and body["error"]["param"] == "lora_name"
+            status, _ = error_of(alice.completions.create, model=target, prompt="x",
+                                 max_tokens=1)
+            assert status == 404
+        status, body = answer(alice_key, "load_lora_adapter",
+                              {"lora_name": "alice-copy", "lora_path": path})
+        assert status == 404 and body["error"]["param"] == "lora_path"
+        assert "alice-copy" not in {m.id for m in alice.models.list().data}
+        assert bob.completions.create(model=name, prompt="x", max_tokens=1).choices
+
+        # The owner unloads its model; it stays unloaded across a restart.
+        status, _ = answer(bob_key, "unload_lora_adapter", {"lora_name": name})
+        assert status == 200
+        status, _ = error_of(bob.completions.create, model=name, prompt="x", max_tokens=1)
+        assert status == 404
+        # A tenant cannot take over the unloaded name with an adapter of its own.
+        status, body = answer(alice_key, "load_lora_adapter",
+                              {"lora_name": name, "lora_path": path})
+        assert status == 404
+    finally:
+        thread.stop()
+        engine.shutdown()
+
+    engine, thread, url = start_server(model_dir, state_dir, keys)
+    try:
+        bob = openai.OpenAI(base_url=url + "/v1", api_key=bob_key, max_retries=0)
+        alice = openai.OpenAI(base_url=url + "/v1", api_key=alice_key, max_retries=0)
+        assert name not in {m.id for m in bob.models.list().data}  # still unloaded
+        assert checkpoint in {m.id for m in bob.models.list().data}
+        for target in (name, checkpoint):
+            assert post(url, alice_key, "unload_lora_adapter",
+                        {"lora_name": target}).status_code == 404
+        status, _ = error_of(alice.completions.create, model=checkpoint, prompt="x",
+                             max_tokens=1)
+        assert status == 404
+        assert post(url, bob_key, "load_lora_adapter",
+                    {"lora_name": name, "lora_path": path}).status_code == 200
+        assert bob.completions.create(model=name, prompt="x", max_tokens=1).choices
+        assert name not in {m.id for m in alice.models.list().data}
     finally:
         thread.stop()
         engine.shutdown()

@@ -107,7 +107,7 @@ def step(scheduler: Scheduler) -> BatchPlan:
             result.sampled_token_ids[row.request_id] = 1
     for w in plan.finetune_windows:
         result.finetune_losses[(w.job_id, w.sequence_id)] = (float(w.end - w.start),
-                                                             w.end - w.start)
+                                                             w.end - w.start, 0)
     for job_id in plan.optimizer_steps:
         result.grad_norms[job_id] = 1.0
     scheduler.update(plan, result)

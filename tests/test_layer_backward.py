@@ -586,6 +586,32 @@ def test_chunked_window_loss_equals_unchunked_and_autograd(tiny):
     assert no_target and results[0][1][no_target].abs().sum() == 0
 
 
+def test_window_accuracy_counts_argmax_hits_whatever_the_split(tiny):
+    model, hf_config, _ = tiny
+    gen = torch.Generator().manual_seed(5)
+    length = 40
+    ids = torch.randint(0, hf_config.vocab_size, (length,), generator=gen).tolist()
+    mask = (torch.rand(length, generator=gen) < 0.7).tolist()
+    stream = torch.randn(length, hf_config.hidden_size, generator=gen) * 3
+    with torch.no_grad():
+        predicted = model.compute_logits(model.model.norm(stream)).argmax(dim=-1).tolist()
+    for p in range(0, length - 1, 2):  # every other target is the model's own prediction
+        ids[p + 1] = predicted[p]
+    positions = [p for p in range(length - 1) if mask[p + 1]]
+    expected = sum(predicted[p] == ids[p + 1] for p in positions)
+    assert 0 < expected < len(positions)
+    for bounds in ([0, length], [0, 13, length], [0, 1, 2, 17, 30, length]):
+        for chunk_rows in (1, 4, 1000):
+            num_correct = num_tokens = 0
+            for start, end in zip(bounds, bounds[1:]):
+                grad = torch.zeros(end - start, hf_config.hidden_size)
+                loss = window_loss(model, stream[start:end], ids, mask, start, grad, 1.0,
+                                   chunk_rows)
+                num_correct += loss.num_correct
+                num_tokens += loss.num_tokens
+            assert (num_correct, num_tokens) == (expected, len(positions)), (bounds, chunk_rows)
+
+
 def test_plans_the_backward_cannot_run_are_refused(tiny):
     model, hf_config, _ = tiny
     graph = build_layer_graph(hf_config, {"down_proj": "lora"}, rank=8)

@@ -242,6 +242,17 @@ class AdapterManager:
         """Adapters loaded in device slots (pinned or not)."""
         return sum(adapter is not None for adapter in self._slots)
 
+    def users_of_path(self, lora_path: str) -> tuple[int, set[str]]:
+        """(unfinished requests, servable names) of the live adapters loaded from `lora_path`,
+        draining ones included: whether its directory may be deleted."""
+        num_requests, names = 0, set()
+        for adapter in self._by_id.values():
+            if adapter.lora_request.lora_path == lora_path:
+                num_requests += adapter.num_requests
+                if not adapter.unloading:
+                    names.add(adapter.lora_request.lora_name)
+        return num_requests, names
+
     def num_running_by_name(self) -> dict[str, int]:
         """Running requests per adapter name, every servable name included (0 when idle)."""
         counts = {name: 0 for name in self._by_name}

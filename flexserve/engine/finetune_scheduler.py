@@ -68,6 +68,7 @@ class FinetuneUpdate:
     grad_norm: float | None  # its gradient norm before clipping ("step" only)
     num_trained_tokens: int  # forward tokens of the job so far (OpenAI's trained_tokens)
     message: str | None  # the failure reason, or the event text
+    accuracy: float | None = None  # that step's mean token accuracy (argmax = target; "step")
 
 
 class WindowSizer(Protocol):
@@ -179,6 +180,7 @@ class FinetuneJobState:
     num_sequences_started: int = 0
     step_loss_sum: float = 0.0
     step_loss_count: int = 0
+    step_num_correct: int = 0  # loss tokens of the current step predicted right (argmax)
     losses: list[float] = field(default_factory=list)  # mean token loss of each optimizer step
     grad_norms: list[float] = field(default_factory=list)  # pre-clip norm of each step
     num_forward_tokens: int = 0  # windows' tokens scheduled so far (metrics)
@@ -374,11 +376,12 @@ class FinetuneScheduler:
                errors: dict[str, str]) -> list[FinetuneJobState]:
         """Fold a step's results in; returns the jobs whose state changed (for events)."""
         changed: dict[str, FinetuneJobState] = {}
-        for (job_id, _), (loss_sum, count) in losses.items():
+        for (job_id, _), (loss_sum, count, num_correct) in losses.items():
             job = self.jobs.get(job_id)
             if job is not None:
                 job.step_loss_sum += loss_sum
                 job.step_loss_count += count
+                job.step_num_correct += num_correct
                 changed[job_id] = job
         for job_id, sequence_id in plan.finished_finetune_sequences:
             job = self.jobs.get(job_id)
@@ -401,12 +404,13 @@ class FinetuneScheduler:
             job.grad_norms.append(grad_norms.get(job_id, float("nan")))
             job.events.append(f"Step {job.step_index + 1}/{job.num_steps}: training loss="
                               f"{job.losses[-1]:.4f}, grad norm={job.grad_norms[-1]:.4f}")
-            job.step_loss_sum, job.step_loss_count = 0.0, 0
+            accuracy = job.step_num_correct / max(job.step_loss_count, 1)
+            job.step_loss_sum, job.step_loss_count, job.step_num_correct = 0.0, 0, 0
             job.step_index += 1
             job.bins, job.next_bin = None, 0
             self._updates.append(FinetuneUpdate(
                 job_id, "step", job.step_index, job.num_steps, job.losses[-1],
-                job.grad_norms[-1], job.num_forward_tokens, job.events[-1]))
+                job.grad_norms[-1], job.num_forward_tokens, job.events[-1], accuracy))
             if job.step_index == job.num_steps:
                 job.status = FinetuneJobStatus.SUCCEEDED
                 job.events.append("The job has successfully completed.")

@@ -135,7 +135,8 @@ class StepResult:
     execute_time: float = 0.0  # seconds spent in the worker
     # lora_int_id -> why its slot load failed; the engine ends those requests, drops their tokens
     lora_load_errors: dict[int, str] = field(default_factory=dict)
-    # (job id, sequence id) -> (sum of token cross-entropies, loss tokens) of this step's windows
-    finetune_losses: dict[tuple[str, int], tuple[float, int]] = field(default_factory=dict)
+    # (job id, sequence id) -> (sum of token cross-entropies, loss tokens, loss tokens whose
+    # target is the argmax of its logits) of this step's windows
+    finetune_losses: dict[tuple[str, int], tuple[float, int, int]] = field(default_factory=dict)
     grad_norms: dict[str, float] = field(default_factory=dict)  # job id -> pre-clip norm, per step
     finetune_errors: dict[str, str] = field(default_factory=dict)  # job id -> why it failed

@@ -10,6 +10,7 @@ accepts finds the name missing; requests already running on the older checkpoint
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from flexserve.engine.async_engine import AsyncLLMEngine
@@ -28,6 +29,18 @@ def fine_tuned_model_name(base: str, suffix: str | None, job_id: str) -> str:
 def checkpoint_model_name(fine_tuned_model: str, step: int) -> str:
     """The name of a job's checkpoint after optimizer step `step`."""
     return f"{fine_tuned_model}:ckpt-step-{step}"
+
+
+def parse_job_model_name(base: str, name: str) -> tuple[str, int | None] | None:
+    """(job id, checkpoint step or None for the job's own name) of a name in the pattern of a
+    job's models on base model `base`; None for any other name."""
+    prefix = f"ft:{base}:"
+    if not name.startswith(prefix):
+        return None
+    match = re.fullmatch(r"[^:]*:(ftjob-[0-9a-f]+)(?::ckpt-step-([0-9]+))?", name[len(prefix):])
+    if match is None:
+        return None
+    return match.group(1), None if match.group(2) is None else int(match.group(2))
 
 
 async def serve_checkpoint(engine: AsyncLLMEngine, checkpoint_name: str,

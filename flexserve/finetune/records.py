@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from flexserve.finetune.store_schema import DEFAULT_TENANT
 
-JOB_STATUSES = ("validating_files", "queued", "running", "succeeded", "failed", "cancelled")
+JOB_STATUSES = ("validating_files", "queued", "running", "paused", "succeeded", "failed",
+                "cancelled")
 EVENT_LEVELS = ("info", "warn", "error")
 EVENT_TYPES = ("message", "metrics")
 
@@ -18,7 +19,7 @@ class FileRecord:
 
     id: str  # "file-" + 24 hex chars
     filename: str  # display name as uploaded: basename only, sanitized; never used as a path
-    purpose: str  # "fine-tune"
+    purpose: str  # "fine-tune" (uploads) or "fine-tune-results" (a job's metrics CSV)
     bytes: int  # content size
     created_at: int  # unix seconds
     path: str  # server-local path of the content (never shown to clients)
@@ -38,7 +39,7 @@ class JobRecord:
     suffix: str | None  # user suffix of the fine-tuned model name
     seed: int  # data order and adapter init seed
     tenant: str  # who submitted it (fairness, API-key scoping)
-    status: str  # validating_files | queued | running | succeeded | failed | cancelled
+    status: str  # validating_files | queued | running | paused | succeeded | failed | cancelled
     created_at: int  # unix seconds
     finished_at: int | None = None  # unix seconds when it reached a final status
     fine_tuned_model: str | None = None  # servable name of the final adapter
@@ -50,6 +51,7 @@ class JobRecord:
     lora: dict | None = None  # extension field: {r, alpha, dropout, target_modules, init_adapter}
     integrations: list | None = None  # OpenAI's integrations, as sent
     metadata: dict | None = None  # OpenAI's job metadata (str -> str)
+    result_files: list | None = None  # file ids of its results (the per-step metrics CSV)
 
 
 @dataclass(slots=True)
@@ -76,3 +78,4 @@ class CheckpointRecord:
     metrics: dict  # {"step": n, "train_loss": x, "valid_loss": y?, ...}
     fine_tuned_model_checkpoint: str  # the servable model name of this checkpoint
     path: str  # server-local checkpoint directory
+    deleted_at: int | None = None  # unix seconds when retention deleted it from disk

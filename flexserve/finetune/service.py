@@ -19,6 +19,24 @@ cancellation or failure), the engine forgets it (`LLMEngine.remove_finetune_job`
 thread): its scheduler state and the worker's adapter masters and AdamW state are freed. What
 stays is on disk and in the store: checkpoints, served by name, and the job's record and events.
 
+Retention: after each checkpoint only the newest `keep_checkpoints` of the job stay on disk; older
+ones are unserved and deleted, and their records get `deleted_at`. The newest (the final model
+once the job ends) always stays, and so does a checkpoint a request is still using, one loaded
+under another name, or one a queued, running or paused job starts from (they are tried again at
+the job's next checkpoint).
+
+Models belong to the job's tenant: `may_use_model` says whether a tenant may use, list, load or
+unload a name in the pattern of a job's models (only the job's own tenant may). `/v1/models` lists
+a job's name and its newest checkpoint; older kept checkpoints serve by name without being listed
+(unless a client loaded them explicitly). A model its owner unloaded stays unloaded after a
+restart, until it is loaded again or the job publishes a newer checkpoint.
+
+Pause (`pause`): a running job stops at its next optimizer-step boundary with a checkpoint there
+and leaves the engine (its LoRA slot and memory are free); its status is `paused` in the store, so
+it stays paused across restarts. `resume` queues it again and it continues from that checkpoint,
+exactly as a restarted job does. When a job leaves the engine (it ends or pauses), its per-step
+metrics CSV (`results.py`) is written as a file of its tenant and listed in `result_files`.
+
 Restart (even after kill -9): running jobs resume from their newest recorded checkpoint (from
 scratch when they have none) and end with the same steps; queued jobs queue again; every
 checkpoint name and each job's newest adapter are registered again before any job resumes.
@@ -30,26 +48,32 @@ import asyncio
 import collections
 import functools
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexserve.engine.adapter_manager import NoFreeSlotError
+from flexserve.engine.adapter_manager import AdapterNotFoundError, NoFreeSlotError
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from flexserve.finetune.adapters import (
     checkpoint_model_name,
     fine_tuned_model_name,
+    parse_job_model_name,
     serve_checkpoint,
     validation_loss,
 )
 from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.records import JOB_STATUSES, JobRecord
+from flexserve.finetune.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
 from flexserve.finetune.store import StateStore
 
 logger = logging.getLogger(__name__)
 
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+UNFINISHED_STATUSES = ("validating_files", "queued", "running", "paused")
+DEFAULT_KEEP_CHECKPOINTS = 3
 _SLOT_RETRY_S = 0.5  # a job that found every LoRA slot pinned by requests tries again after this
 
 
@@ -61,9 +85,11 @@ class FinetuneServiceConfig:
     checkpoint_every_steps: int = 10  # a checkpoint every this many optimizer steps, and the last
     max_concurrent_jobs: int = 1  # jobs on the engine at once; the others stay queued
     max_upload_bytes: int = 100 * 1024 * 1024  # largest file POST /v1/files accepts
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS  # newest checkpoints of a job kept on disk
 
     def __post_init__(self) -> None:
-        for name in ("checkpoint_every_steps", "max_concurrent_jobs", "max_upload_bytes"):
+        for name in ("checkpoint_every_steps", "max_concurrent_jobs", "max_upload_bytes",
+                     "keep_checkpoints"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -94,6 +120,10 @@ class _ActiveJob:
     cancel_requested: bool = False  # cancelled while starting
     num_logged_steps: int = 0  # steps whose metrics event is in the log (a resumed job skips)
     paused: asyncio.Future | None = None  # shutdown: set once its pause checkpoint is recorded
+    user_pause: asyncio.Future | None = None  # pause(): set once the job is `paused`
+    num_total_tokens: int = 0  # forward tokens of all its steps (trained_tokens at the end)
+    rate_origin: tuple[float, int] | None = None  # (time, trained tokens) at its first step here
+    estimated_finish: int | None = None  # unix seconds, from the measured token rate
 
 
 class FinetuneService:
@@ -126,6 +156,9 @@ class FinetuneService:
         self._closed = False
         self._pausing = False  # graceful shutdown: jobs stop at their next step boundary
         self._paused_ids: set[str] = set()  # engine thread: jobs paused on the engine
+        self._job_tenants: dict[str, str | None] = {}  # job id -> tenant (None: no such job)
+        self._newest_checkpoint: dict[str, str] = {}  # job id -> its newest checkpoint's name
+        self._explicit_models: set[str] = set()  # job checkpoints a client loaded by name
         engine.add_finetune_listener(self._on_updates)
 
     @property
@@ -140,9 +173,10 @@ class FinetuneService:
         jobs = await asyncio.to_thread(self.store.jobs_with_status, *JOB_STATUSES)
         self._counts.update(job.status for job in jobs)
         self._publish_counts()
+        unloaded = await asyncio.to_thread(self.store.unloaded_models)
         for job in jobs:
             if job.adapter_path is not None and self.engine.lora_enabled:
-                await self._serve_recorded_checkpoints(job)
+                await self._serve_recorded_checkpoints(job, unloaded)
         resumed = [job.id for job in jobs if job.status == "running"]
         queued = [job.id for job in jobs if job.status in ("queued", "validating_files")]
         if (resumed or queued) and not self.engine.lora_enabled:
@@ -196,7 +230,82 @@ class FinetuneService:
                 await self.engine.call(_cancel_on_engine, self.engine.engine, job_id)
                 active.items.put_nowait(_Item("cancelled"))
             await asyncio.shield(active.done)
+        elif (await asyncio.to_thread(self.store.get_job, job_id)).status == "paused":
+            await self._set_status(job_id, "cancelled", "The job was cancelled.",
+                                   finished_at=int(time.time()))
         return await asyncio.to_thread(self.store.get_job, job_id)
+
+    async def pause(self, job_id: str) -> JobRecord:
+        """Pause a queued or running job; returns it as stored once it is `paused` (a running
+        job pauses at its next optimizer-step boundary, with a checkpoint there; one at its last
+        step succeeds instead)."""
+        if job_id in self._queue:
+            self._queue.remove(job_id)
+            self.prepared.pop(job_id, None)
+            await self._set_status(job_id, "paused", "Fine-tuning job paused.")
+        elif job_id in self._active:
+            active = self._active[job_id]
+            if active.user_pause is None:
+                active.user_pause = self._loop.create_future()
+            await asyncio.wait([active.user_pause, active.done],
+                               return_when=asyncio.FIRST_COMPLETED)
+        return await asyncio.to_thread(self.store.get_job, job_id)
+
+    async def resume(self, job_id: str) -> JobRecord:
+        """Queue a paused job again: it continues from its pause checkpoint."""
+        await self._set_status(job_id, "queued", "Fine-tuning job resumed: queued.")
+        self._queue.append(job_id)
+        self._pump()
+        return await asyncio.to_thread(self.store.get_job, job_id)
+
+    def estimated_finish(self, job_id: str) -> int | None:
+        """Unix seconds at which a running job should end, at its measured token rate."""
+        active = self._active.get(job_id)
+        return None if active is None else active.estimated_finish
+
+    # ------------------------------------------------------------------------------ models
+    def _job_tenant(self, job_id: str) -> str | None:
+        if job_id not in self._job_tenants:
+            record = self.store.get_job(job_id)
+            self._job_tenants[job_id] = None if record is None else record.tenant
+        return self._job_tenants[job_id]
+
+    def may_use_model(self, name: str, tenant: str) -> bool:
+        """Whether `tenant` may use, list, load or unload the model `name`: any name outside
+        the pattern of a job's models, and a job's models only for the job's own tenant."""
+        parsed = parse_job_model_name(self.base_model, name)
+        return parsed is None or self._job_tenant(parsed[0]) == tenant
+
+    def may_load_path(self, path: str, tenant: str) -> bool:
+        """Whether `tenant` may load an adapter from `path`: a directory under the checkpoints
+        only when it is a checkpoint of one of its own jobs."""
+        root = os.path.realpath(self.store.checkpoints_dir)
+        real = os.path.realpath(path)
+        if os.path.commonpath([root, real]) != root or real == root:
+            return True
+        return self._job_tenant(os.path.relpath(real, root).split(os.sep)[0]) == tenant
+
+    def is_listed(self, name: str) -> bool:
+        """Whether `/v1/models` lists a served name: all but a job's older checkpoints (those
+        serve by name unless a client loaded them explicitly)."""
+        parsed = parse_job_model_name(self.base_model, name)
+        if parsed is None or parsed[1] is None or name in self._explicit_models:
+            return True
+        return self._newest_checkpoint.get(parsed[0]) == name
+
+    async def model_loaded(self, name: str) -> None:
+        """A client loaded `name`: listed, and served again after a restart."""
+        parsed = parse_job_model_name(self.base_model, name)
+        if parsed is not None:
+            self._explicit_models.add(name)
+            await asyncio.to_thread(self.store.set_model_unloaded, name, parsed[0], False)
+
+    async def model_unloaded(self, name: str) -> None:
+        """A client unloaded `name`: a restart does not serve it again."""
+        parsed = parse_job_model_name(self.base_model, name)
+        if parsed is not None:
+            self._explicit_models.discard(name)
+            await asyncio.to_thread(self.store.set_model_unloaded, name, parsed[0], True)
 
     # --- graceful shutdown (entrypoints/shutdown.py) ---
     async def checkpoint_running_jobs(self, timeout_s: float) -> list[str]:
@@ -256,6 +365,9 @@ class FinetuneService:
             await self._end_failed(job_id, active, "invalid_training_file", str(e),
                                    "training_file")
             return False
+        # Every epoch trains every example once (`finetune.steps.plan_training_steps`).
+        active.num_total_tokens = hp.n_epochs * sum(len(e.input_ids) for e in data.examples)
+        self._paused_ids.discard(job_id)  # paused earlier, resumed now
         if latest is not None:
             active.num_logged_steps = await asyncio.to_thread(self._num_logged_steps, job_id)
         # A resumed job's adapter comes from its checkpoint; init_adapter is where it began.
@@ -326,8 +438,8 @@ class FinetuneService:
                 continue  # paused for the shutdown: its "cancelled" is no cancellation
             item = _Item(update.kind, update)
             # Shutdown: pause at this boundary, unless it was the last step (then it succeeds).
-            pause = (update.kind == "step" and active.paused is not None
-                     and update.step < update.num_steps)
+            pause = (update.kind == "step" and update.step < update.num_steps
+                     and (active.paused is not None or active.user_pause is not None))
             if update.kind == "step" and (update.step % self.config.checkpoint_every_steps == 0
                                           or update.step == update.num_steps or pause):
                 item.checkpoint_path, item.error = self._save_checkpoint(update)
@@ -359,6 +471,14 @@ class FinetuneService:
                 if item.error is not None:
                     await self._end_failed(job_id, active, **item.error)
                     return
+                if item.pause and active.user_pause is not None:
+                    await self._set_status(job_id, "paused", f"Fine-tuning job paused at step "
+                                           f"{item.update.step}.")
+                    await self._let_go(job_id, active)
+                    if active.paused is not None:
+                        active.paused.set_result(item.update.step)
+                    active.user_pause.set_result(None)
+                    return
                 if item.pause:  # its checkpoint is recorded: it resumes from it at the restart
                     await asyncio.to_thread(
                         self.store.add_event, job_id, f"Paused at step {item.update.step} for "
@@ -385,10 +505,12 @@ class FinetuneService:
     async def _on_step(self, job_id: str, active: _ActiveJob, item: _Item) -> None:
         update = item.update
         if self.metrics is not None:
-            self.metrics.observe_step(job_id, update.loss, update.step)
+            self.metrics.observe_step(job_id, update.loss, update.step, update.num_steps)
+        self._estimate_finish(active, update.num_trained_tokens)
         if update.step > active.num_logged_steps:
             active.num_logged_steps = update.step
             data = {"step": update.step, "train_loss": update.loss,
+                    "train_mean_token_accuracy": update.accuracy,
                     "total_steps": update.num_steps, "grad_norm": update.grad_norm,
                     "trained_tokens": update.num_trained_tokens}
             await asyncio.to_thread(
@@ -398,11 +520,26 @@ class FinetuneService:
         if item.checkpoint_path is not None:
             await self._publish_checkpoint(job_id, active, update, item.checkpoint_path)
 
+    @staticmethod
+    def _estimate_finish(active: _ActiveJob, num_trained_tokens: int) -> None:
+        """The job's end at the token rate measured since its first step on this run."""
+        now = time.time()
+        if active.rate_origin is None:
+            active.rate_origin = (now, num_trained_tokens)
+            return
+        start, start_tokens = active.rate_origin
+        if now > start and num_trained_tokens > start_tokens:
+            rate = (num_trained_tokens - start_tokens) / (now - start)
+            remaining = max(active.num_total_tokens - num_trained_tokens, 0)
+            active.estimated_finish = int(now + remaining / rate)
+
     async def _publish_checkpoint(self, job_id: str, active: _ActiveJob, update: Any,
                                   path: str) -> None:
         name = checkpoint_model_name(active.fine_tuned_model, update.step)
         await serve_checkpoint(self.engine, name, active.fine_tuned_model, path)
         metrics: dict[str, Any] = {"step": update.step, "train_loss": update.loss}
+        if update.accuracy is not None:
+            metrics["train_mean_token_accuracy"] = update.accuracy
         if active.validation:
             valid_loss = await validation_loss(self.engine, name, active.validation,
                                                active.record.tenant)
@@ -414,6 +551,27 @@ class FinetuneService:
                                     "total_steps": update.num_steps})
         await asyncio.to_thread(self._record_checkpoint, job_id, active, update, metrics, name,
                                 path)
+        self._newest_checkpoint[job_id] = name
+        await self._apply_retention(job_id)
+
+    async def _apply_retention(self, job_id: str) -> None:
+        """Delete the job's checkpoints past the newest `keep_checkpoints` that nothing uses."""
+        kept = await asyncio.to_thread(self.store.kept_checkpoints, job_id)
+        if len(kept) <= self.config.keep_checkpoints:
+            return
+        unfinished = await asyncio.to_thread(self.store.jobs_with_status, *UNFINISHED_STATUSES)
+        starts = {(job.lora or {}).get("init_adapter") for job in unfinished}
+        for checkpoint in kept[self.config.keep_checkpoints:]:
+            if checkpoint.path in starts:
+                continue
+            retired = await self.engine.call(_retire_on_engine, self.engine.engine,
+                                             checkpoint.fine_tuned_model_checkpoint,
+                                             checkpoint.path)
+            if not retired:
+                continue
+            self._explicit_models.discard(checkpoint.fine_tuned_model_checkpoint)
+            await asyncio.to_thread(shutil.rmtree, checkpoint.path, True)
+            await asyncio.to_thread(self.store.mark_checkpoint_deleted, checkpoint.id)
 
     def _record_checkpoint(self, job_id: str, active: _ActiveJob, update: Any, metrics: dict,
                            name: str, path: str) -> None:
@@ -423,15 +581,20 @@ class FinetuneService:
         self.store.add_event(job_id, f"Checkpoint created at step {update.step}: {name}",
                              data={"step": update.step, "fine_tuned_model_checkpoint": name})
 
-    async def _serve_recorded_checkpoints(self, job: JobRecord) -> None:
+    async def _serve_recorded_checkpoints(self, job: JobRecord, unloaded: set[str]) -> None:
         fine_tuned_model = fine_tuned_model_name(self.base_model, job.suffix, job.id)
-        checkpoints = await asyncio.to_thread(
-            _every_page, functools.partial(self.store.list_checkpoints, job.id))
+        checkpoints = await asyncio.to_thread(self.store.kept_checkpoints, job.id)
+        if checkpoints:
+            self._newest_checkpoint[job.id] = checkpoints[0].fine_tuned_model_checkpoint
         for checkpoint in checkpoints:  # newest first: it alone gets the job's name too
+            name = checkpoint.fine_tuned_model_checkpoint
+            job_name = (fine_tuned_model if checkpoint is checkpoints[0]
+                        and fine_tuned_model not in unloaded else None)
             try:
-                await serve_checkpoint(self.engine, checkpoint.fine_tuned_model_checkpoint,
-                                       fine_tuned_model if checkpoint is checkpoints[0] else None,
-                                       checkpoint.path)
+                if name not in unloaded:
+                    await serve_checkpoint(self.engine, name, job_name, checkpoint.path)
+                elif job_name is not None:
+                    await self.engine.add_lora(job_name, checkpoint.path)
             except ValueError as e:  # e.g. the server now runs another base model
                 logger.error("cannot serve checkpoint %s again: %s",
                              checkpoint.fine_tuned_model_checkpoint, e)
@@ -474,8 +637,25 @@ class FinetuneService:
                 pass
             except Exception:  # it only costs memory; the job's outcome stands
                 logger.exception("cannot remove fine-tuning job %s from the engine", job_id)
+        try:
+            await asyncio.to_thread(self._write_results, job_id)
+        except Exception:  # the job's outcome stands without its CSV
+            logger.exception("cannot write the result file of fine-tuning job %s", job_id)
         if not active.done.done():
             active.done.set_result(None)
+
+    def _write_results(self, job_id: str) -> None:
+        """Store the job's per-step metrics CSV as a file of its tenant, replacing an older
+        one (a paused job that resumed)."""
+        events = _every_page(functools.partial(self.store.list_events, job_id))
+        if not any(e.type == "metrics" for e in events):
+            return
+        job = self.store.get_job(job_id)
+        record = self.store.add_file(RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv(events),
+                                     job.tenant)
+        self.store.update_job(job_id, result_files=[record.id])
+        for old in job.result_files or ():
+            self.store.delete_file(old)
 
     def _publish_counts(self) -> None:
         if self.metrics is not None:
@@ -487,6 +667,20 @@ def _cancel_on_engine(llm: Any, job_id: str) -> None:
     removed since the caller looked)."""
     if _engine_job(llm, job_id) is not None:
         llm.cancel_finetune_job(job_id)
+
+
+def _retire_on_engine(llm: Any, name: str, path: str) -> bool:
+    """Engine thread: stop serving checkpoint `name` (from `path`) unless a request uses that
+    directory or it is served under another name; True when its directory may be deleted."""
+    num_requests, names = llm.scheduler.adapter_manager.users_of_path(path)
+    if num_requests or names - {name}:
+        return False
+    if name in names:
+        try:
+            llm.remove_lora(name)
+        except AdapterNotFoundError:
+            pass
+    return True
 
 
 def _remove_from_engine(llm: Any, job_id: str) -> None:

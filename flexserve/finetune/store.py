@@ -42,7 +42,8 @@ _CONTENT_NAME = re.compile(r"^(file-[0-9a-f]{24})\.jsonl$")
 
 
 _JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
-_JOB_JSON_FIELDS = frozenset({"hyperparameters", "error", "lora", "integrations", "metadata"})
+_JOB_JSON_FIELDS = frozenset({"hyperparameters", "error", "lora", "integrations", "metadata",
+                              "result_files"})
 
 
 def new_id(prefix: str) -> str:
@@ -398,7 +399,7 @@ class StateStore:
                                 step_number=row["step_number"],
                                 metrics=_from_json(row["metrics"]),
                                 fine_tuned_model_checkpoint=row["fine_tuned_model_checkpoint"],
-                                path=row["path"])
+                                path=row["path"], deleted_at=row["deleted_at"])
 
     def add_checkpoint(self, job_id: str, step_number: int, metrics: dict,
                        fine_tuned_model_checkpoint: str, path: str) -> CheckpointRecord:
@@ -427,6 +428,33 @@ class StateStore:
         rows = self._read("SELECT * FROM checkpoints WHERE job_id = ? ORDER BY seq DESC LIMIT 1",
                           (job_id,))
         return self._checkpoint(rows[0]) if rows else None
+
+    def kept_checkpoints(self, job_id: str) -> list[CheckpointRecord]:
+        """A job's checkpoints still on disk, newest first."""
+        rows = self._read("SELECT * FROM checkpoints WHERE job_id = ? AND deleted_at IS NULL "
+                          "ORDER BY seq DESC", (job_id,))
+        return [self._checkpoint(row) for row in rows]
+
+    def mark_checkpoint_deleted(self, checkpoint_id: str) -> None:
+        """Record that a checkpoint's directory was deleted (its record stays)."""
+        with self._write() as conn:
+            conn.execute("UPDATE checkpoints SET deleted_at = ? WHERE id = ?",
+                         (_now(), checkpoint_id))
+
+    # -- job models a client unloaded ------------------------------------------------------------
+
+    def set_model_unloaded(self, name: str, job_id: str, unloaded: bool) -> None:
+        """Remember (or forget) that the owner of job `job_id` unloaded its model `name`, so a
+        restart serves it again only once it is loaded again."""
+        with self._write() as conn:
+            if unloaded:
+                conn.execute("INSERT OR REPLACE INTO unloaded_models (name, job_id) VALUES (?, ?)",
+                             (name, job_id))
+            else:
+                conn.execute("DELETE FROM unloaded_models WHERE name = ?", (name,))
+
+    def unloaded_models(self) -> set[str]:
+        return {row["name"] for row in self._read("SELECT name FROM unloaded_models")}
 
     def close(self) -> None:
         """Close the database; the store is unusable afterwards."""

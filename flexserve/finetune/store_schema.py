@@ -5,14 +5,16 @@ at once; an older one is brought up to date step by step in the transaction that
 server reading it never sees a half-migrated database. Pure standard library.
 
 Versions: 1, the first; 2, files belong to a tenant (`files.tenant`, rows of version 1 go to
-"default", the tenant of requests without a tenant key).
+"default", the tenant of requests without a tenant key); 3, result files of jobs
+(`jobs.result_files`), checkpoints deleted by retention (`checkpoints.deleted_at`) and the job
+models their owner unloaded (`unloaded_models`, so a restart does not serve them again).
 """
 
 from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_TENANT = "default"  # owner of what requests without a tenant key create
 
 _SCHEMA = f"""
@@ -27,7 +29,7 @@ CREATE TABLE jobs (
     suffix TEXT, seed INTEGER NOT NULL, tenant TEXT NOT NULL, status TEXT NOT NULL,
     created_at INTEGER NOT NULL, finished_at INTEGER, fine_tuned_model TEXT,
     trained_tokens INTEGER, error TEXT, adapter_path TEXT, num_steps INTEGER,
-    step INTEGER NOT NULL, lora TEXT, integrations TEXT, metadata TEXT);
+    step INTEGER NOT NULL, lora TEXT, integrations TEXT, metadata TEXT, result_files TEXT);
 CREATE INDEX jobs_by_tenant ON jobs (tenant, seq);
 CREATE INDEX jobs_by_status ON jobs (status, seq);
 CREATE TABLE events (
@@ -38,8 +40,9 @@ CREATE INDEX events_by_job ON events (job_id, seq);
 CREATE TABLE checkpoints (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, job_id TEXT NOT NULL,
     created_at INTEGER NOT NULL, step_number INTEGER NOT NULL, metrics TEXT NOT NULL,
-    fine_tuned_model_checkpoint TEXT NOT NULL, path TEXT NOT NULL);
+    fine_tuned_model_checkpoint TEXT NOT NULL, path TEXT NOT NULL, deleted_at INTEGER);
 CREATE INDEX checkpoints_by_job ON checkpoints (job_id, seq);
+CREATE TABLE unloaded_models (name TEXT PRIMARY KEY, job_id TEXT NOT NULL);
 """
 
 # version -> the statements that take a store of that version to the next one
@@ -47,6 +50,11 @@ _MIGRATIONS: dict[int, str] = {
     1: f"""
 ALTER TABLE files ADD COLUMN tenant TEXT NOT NULL DEFAULT '{DEFAULT_TENANT}';
 CREATE INDEX files_by_tenant ON files (tenant, seq);
+""",
+    2: """
+ALTER TABLE jobs ADD COLUMN result_files TEXT;
+ALTER TABLE checkpoints ADD COLUMN deleted_at INTEGER;
+CREATE TABLE unloaded_models (name TEXT PRIMARY KEY, job_id TEXT NOT NULL);
 """,
 }
 

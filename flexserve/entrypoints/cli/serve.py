@@ -71,6 +71,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--checkpoint-every-steps", type=int, default=10,
                         help="a fine-tuning job saves a checkpoint (servable by name) every N "
                              "optimizer steps, and after its last [%(default)s]")
+    server.add_argument("--keep-checkpoints", type=int, default=3,
+                        help="newest checkpoints of each fine-tuning job kept on disk (older "
+                             "ones are deleted; the newest, the final model once the job ends, "
+                             "always stays) [%(default)s]")
     server.add_argument("--max-concurrent-jobs", type=int, default=1,
                         help="fine-tuning jobs running at once (each holds a LoRA slot; must "
                              "be below --max-loras); others wait queued [%(default)s]")
@@ -124,7 +128,7 @@ def serve(args: argparse.Namespace) -> int:
     finetune = FinetuneServiceConfig(
         state_dir=envs.home(), checkpoint_every_steps=args.checkpoint_every_steps,
         max_concurrent_jobs=args.max_concurrent_jobs,
-        max_upload_bytes=args.max_upload_mb * 1024 * 1024)
+        max_upload_bytes=args.max_upload_mb * 1024 * 1024, keep_checkpoints=args.keep_checkpoints)
     logger.info("loading model %s (dtype %s, load format %s)", args.model, args.dtype,
                 args.load_format)
     engine = build_async_engine(config, request_timeout_s=args.request_timeout_s)
@@ -148,9 +152,10 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("LoRA: max_loras %d (slots of rank %d), max_cpu_loras %d, allowed adapter "
                     "dir: %s | adapters: %s", lora.max_loras, lora.max_lora_rank,
                     lora.max_cpu_loras, lora.allowed_adapter_dir or "any", names)
-    logger.info("fine-tuning jobs: state in %s | checkpoint every %d steps | %d at once | "
-                "uploads up to %d MiB", app.state.finetune.store.root,
-                finetune.checkpoint_every_steps, finetune.max_concurrent_jobs,
+    logger.info("fine-tuning jobs: state in %s | checkpoint every %d steps, newest %d kept | "
+                "%d at once | uploads up to %d MiB", app.state.finetune.store.root,
+                finetune.checkpoint_every_steps, finetune.keep_checkpoints,
+                finetune.max_concurrent_jobs,
                 args.max_upload_mb)
     if api_keys is None:
         logger.info("API keys: none, /v1/* is open to anyone who can connect")

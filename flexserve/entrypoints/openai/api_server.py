@@ -26,7 +26,7 @@ from flexserve.engine.adapter_manager import AdapterExistsError, AdapterNotFound
 from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.entrypoints.openai import serving_files
 from flexserve.entrypoints.openai import serving_finetune as serving_fine_tuning
-from flexserve.entrypoints.openai.auth import APIKeyMiddleware, APIKeyTable
+from flexserve.entrypoints.openai.auth import APIKeyMiddleware, APIKeyTable, owner_tenant
 from flexserve.entrypoints.openai.errors import (
     EXCEPTION_HANDLERS,
     APIError,
@@ -165,8 +165,9 @@ def build_app(
     state.served_model_name = model_name
     state.metrics = metrics
     state.created = now_s()
-    state.completions = OpenAIServingCompletion(engine, [model_name])
-    state.chat = OpenAIServingChat(engine, [model_name])
+    model_access = None if service is None else service.may_use_model
+    state.completions = OpenAIServingCompletion(engine, [model_name], model_access)
+    state.chat = OpenAIServingChat(engine, [model_name], model_access)
     state.finetune = service
     state.admission = admission
     state.health_monitor = health_monitor
@@ -189,6 +190,8 @@ def _finetune_routes() -> list[Route]:
         Route("/v1/fine_tuning/jobs", jobs.list_jobs, methods=["GET"]),
         Route("/v1/fine_tuning/jobs/{job_id}", jobs.retrieve_job, methods=["GET"]),
         Route("/v1/fine_tuning/jobs/{job_id}/cancel", jobs.cancel_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/pause", jobs.pause_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/resume", jobs.resume_job, methods=["POST"]),
         Route("/v1/fine_tuning/jobs/{job_id}/events", jobs.list_events, methods=["GET"]),
         Route("/v1/fine_tuning/jobs/{job_id}/checkpoints", jobs.list_checkpoints,
               methods=["GET"]),
@@ -217,12 +220,21 @@ async def list_models(request: Request) -> Response:
     info = state.engine.info
     cards = [ModelCard(id=state.served_model_name, created=state.created, root=info.name,
                        parent=None, max_model_len=info.max_model_len)]
+    service: FinetuneService | None = state.finetune
+    tenant = owner_tenant(request)
     cards.extend(
         ModelCard(id=lora.lora_name, created=state.created, root=lora.lora_path,
                   parent=state.served_model_name, max_model_len=info.max_model_len)
         for lora in state.engine.list_loras()
+        if service is None or (service.may_use_model(lora.lora_name, tenant)
+                               and service.is_listed(lora.lora_name))
     )
     return json_response(ModelList(data=cards))
+
+
+def _adapter_not_found(name: str) -> APIError:
+    return APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                    code="not_found")
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -233,6 +245,16 @@ async def load_lora_adapter(request: Request) -> Response:
         raise bad_request("LoRA is not enabled: start the server with --enable-lora")
     if body.lora_name == state.served_model_name:
         raise bad_request(f"'{body.lora_name}' is the base model's name", param="lora_name")
+    service: FinetuneService | None = state.finetune
+    if service is not None:
+        # A job's model names and checkpoint directories are its tenant's: to any other
+        # tenant they are as unknown as names and directories that do not exist.
+        tenant = owner_tenant(request)
+        if not service.may_use_model(body.lora_name, tenant):
+            raise _adapter_not_found(body.lora_name)
+        if not service.may_load_path(body.lora_path, tenant):
+            raise APIError(404, f"Cannot load LoRA adapter '{body.lora_name}': no adapter at "
+                           "lora_path.", param="lora_path", code="not_found")
     try:
         await engine.add_lora(body.lora_name, body.lora_path)
     except AdapterExistsError as e:
@@ -240,6 +262,8 @@ async def load_lora_adapter(request: Request) -> Response:
     except ValueError as e:  # missing files, bad config, shapes, rank, outside the allowed dir
         raise bad_request(f"Cannot load LoRA adapter '{body.lora_name}': {e}",
                           param="lora_path") from e
+    if service is not None:
+        await service.model_loaded(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -248,10 +272,15 @@ async def unload_lora_adapter(request: Request) -> Response:
     engine: AsyncLLMEngine = request.app.state.engine
     if not engine.lora_enabled:
         raise bad_request("LoRA is not enabled: start the server with --enable-lora")
+    service: FinetuneService | None = request.app.state.finetune
+    if service is not None and not service.may_use_model(body.lora_name, owner_tenant(request)):
+        raise _adapter_not_found(body.lora_name)
     try:
         num_in_use = await engine.remove_lora(body.lora_name)
     except AdapterNotFoundError as e:
-        raise APIError(404, str(e), param="lora_name", code="not_found") from e
+        raise _adapter_not_found(body.lora_name) from e
+    if service is not None:
+        await service.model_unloaded(body.lora_name)
     message = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
     if num_in_use:
         message += f" {num_in_use} request(s) already using it will finish first."

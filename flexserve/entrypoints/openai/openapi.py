@@ -209,12 +209,21 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
             "post": operation("Cancel a queued or running job", FineTuningJob, missing,
                               ("job_id",)),
         },
+        "/v1/fine_tuning/jobs/{job_id}/pause": {
+            "post": operation("Pause a queued or running job at its next step boundary",
+                              FineTuningJob, missing, ("job_id",)),
+        },
+        "/v1/fine_tuning/jobs/{job_id}/resume": {
+            "post": operation("Resume a paused job from its pause checkpoint", FineTuningJob,
+                              missing, ("job_id",)),
+        },
         "/v1/fine_tuning/jobs/{job_id}/events": {
             "get": operation("A job's events (status, loss per step, warnings), newest first",
                              FineTuningJobEventList, missing, ("job_id", "after", "limit")),
         },
         "/v1/fine_tuning/jobs/{job_id}/checkpoints": {
-            "get": operation("A job's checkpoints, newest first, each servable by name",
+            "get": operation("A job's checkpoints, newest first (those deleted by retention "
+                             "carry deleted_at)",
                              FineTuningJobCheckpointList, missing, ("job_id", "after", "limit")),
         },
     }

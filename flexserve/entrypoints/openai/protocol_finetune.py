@@ -3,7 +3,8 @@
 Objects: `file`, `fine_tuning.job`, `fine_tuning.job.event`, `fine_tuning.job.checkpoint`, and
 `list` pages with `has_more`. Extension fields (what OpenAI does not have, the `openai` client
 keeps as extra attributes): `lora` on a job request and response, `adapter_path` (the server-local
-PEFT directory) on jobs and checkpoints, and every hyper-parameter of flexserve's fine-tuning
+PEFT directory) on jobs and checkpoints, `deleted_at` on checkpoints (retention deleted it from
+disk), and every hyper-parameter of flexserve's fine-tuning
 (`learning_rate`, `lr_scheduler`, `warmup_steps`, ...) beside OpenAI's three.
 """
 
@@ -16,7 +17,7 @@ from pydantic import ConfigDict, Field
 from flexserve.entrypoints.openai.protocol import OpenAIModel
 from flexserve.finetune.records import CheckpointRecord, EventRecord, FileRecord, JobRecord
 
-FILE_PURPOSES = ("fine-tune",)  # what this server accepts (OpenAI has more)
+FILE_PURPOSES = ("fine-tune",)  # what uploads may have (OpenAI has more)
 DEFAULT_LEARNING_RATE_FOR_MULTIPLIER = 1e-4  # learning_rate_multiplier 1.0 means this LR
 
 
@@ -125,7 +126,8 @@ class FineTuningJob(OpenAIModel):
     organization_id: str
     result_files: list[str] = Field(default_factory=list)
     seed: int
-    status: Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled"]
+    status: Literal["validating_files", "queued", "running", "paused", "succeeded", "failed",
+                    "cancelled"]
     trained_tokens: int | None = None
     training_file: str
     validation_file: str | None = None
@@ -137,7 +139,8 @@ class FineTuningJob(OpenAIModel):
     adapter_path: str | None = None  # extension: the newest checkpoint's PEFT directory
 
     @classmethod
-    def from_record(cls, record: JobRecord) -> FineTuningJob:
+    def from_record(cls, record: JobRecord, estimated_finish: int | None = None
+                    ) -> FineTuningJob:
         hp = dict(record.hyperparameters)
         learning_rate = hp.get("learning_rate", DEFAULT_LEARNING_RATE_FOR_MULTIPLIER)
         hyperparameters = JobHyperparameters(
@@ -156,7 +159,8 @@ class FineTuningJob(OpenAIModel):
             trained_tokens=record.trained_tokens, training_file=record.training_file,
             validation_file=record.validation_file, integrations=record.integrations,
             metadata=record.metadata, user_provided_suffix=record.suffix, lora=record.lora,
-            adapter_path=record.adapter_path,
+            adapter_path=record.adapter_path, result_files=list(record.result_files or ()),
+            estimated_finish=estimated_finish,
         )
 
 
@@ -212,6 +216,7 @@ class FineTuningJobCheckpoint(OpenAIModel):
     metrics: CheckpointMetrics
     step_number: int
     adapter_path: str  # extension: the checkpoint's PEFT directory on the server
+    deleted_at: int | None = None  # extension: when retention deleted it (no longer servable)
 
     @classmethod
     def from_record(cls, record: CheckpointRecord) -> FineTuningJobCheckpoint:
@@ -219,7 +224,8 @@ class FineTuningJobCheckpoint(OpenAIModel):
                    fine_tuned_model_checkpoint=record.fine_tuned_model_checkpoint,
                    fine_tuning_job_id=record.job_id,
                    metrics=CheckpointMetrics(**record.metrics),
-                   step_number=record.step_number, adapter_path=record.path)
+                   step_number=record.step_number, adapter_path=record.path,
+                   deleted_at=record.deleted_at)
 
 
 class FineTuningJobCheckpointList(OpenAIModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -15,6 +15,7 @@ from starlette.responses import Response
 from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.fairness import resolve_tenant
 from flexserve.engine.llm_engine import PreparedRequest
+from flexserve.entrypoints.openai.auth import owner_tenant
 from flexserve.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -38,17 +39,23 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     """Base of the endpoint handlers: one engine, the names it is served under."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
+                 model_access: Callable[[str, str], bool] | None = None) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.info.max_model_len
+        # (adapter name, owner tenant) -> whether that tenant may use it (a job's fine-tuned
+        # models are its tenant's); None: every adapter serves everyone
+        self.model_access = model_access
 
-    def check_model(self, model: str) -> str | None:
-        """The LoRA adapter `model` names (None for the base model); 404 for unknown names."""
+    def check_model(self, model: str, raw_request: Request) -> str | None:
+        """The LoRA adapter `model` names (None for the base model); 404 for unknown names and
+        for adapters the request's tenant may not use."""
         if model in self.served_model_names:
             return None
         if self.engine.lora_enabled and model in {r.lora_name for r in self.engine.list_loras()}:
-            return model
+            if self.model_access is None or self.model_access(model, owner_tenant(raw_request)):
+                return model
         raise model_not_found(model)
 
     def sampling_params(

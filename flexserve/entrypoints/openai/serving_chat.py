@@ -52,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        lora_name = self.check_model(request.model)
+        lora_name = self.check_model(request.model, raw_request)
         if request.tools:
             raise bad_request("tools are not supported", param="tools")
         if request.response_format is not None and request.response_format.type != "text":

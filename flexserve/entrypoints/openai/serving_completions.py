@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Turns a `CompletionRequest` into engine requests and their results into OpenAI's shape."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        lora_name = self.check_model(request.model)
+        lora_name = self.check_model(request.model, raw_request)
         n = 1 if request.n is None else request.n
         if request.best_of is not None and request.best_of != n:
             raise bad_request("best_of is not supported (only best_of == n)", param="best_of")

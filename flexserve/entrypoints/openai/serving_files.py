@@ -24,7 +24,7 @@ from flexserve.entrypoints.openai.protocol_finetune import (
 )
 from flexserve.entrypoints.openai.serving_base import json_response
 from flexserve.finetune.data import load_training_data
-from flexserve.finetune.service import FinetuneService
+from flexserve.finetune.service import UNFINISHED_STATUSES, FinetuneService
 
 MAX_LIST_LIMIT = 10000  # OpenAI's bound on `limit` of GET /v1/files
 
@@ -122,8 +122,7 @@ async def delete_file(request: Request) -> Response:
     file_id, tenant = request.path_params["file_id"], owner_tenant(request)
     if await asyncio.to_thread(service.store.get_file, file_id, tenant) is None:
         raise file_not_found(file_id)
-    users = await asyncio.to_thread(service.store.jobs_with_status, "validating_files", "queued",
-                                    "running")
+    users = await asyncio.to_thread(service.store.jobs_with_status, *UNFINISHED_STATUSES)
     for job in users:
         if file_id in (job.training_file, job.validation_file):
             # Only a job of the caller is named (a store from before tenancy may hold others').

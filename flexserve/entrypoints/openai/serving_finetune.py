@@ -1,4 +1,5 @@
-"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, events, checkpoints; OpenAI's shapes.
+"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, pause, resume, events, checkpoints;
+OpenAI's shapes.
 
 Creating a job checks everything up front (400 naming the parameter): LoRA is on, `model` is the
 served base model (or a fine-tuned model to start from), the files exist and are training files,
@@ -8,7 +9,10 @@ The job is then stored `queued` and runs as soon as a job slot is free.
 A job belongs to the tenant of the key that created it (`auth.owner_tenant`) and uses only that
 tenant's files: listings show the caller's jobs only, another tenant's job id is a 404 exactly
 like an unknown one, and another tenant's file id in a new job is the 400 of a missing file. The
-models jobs produce (`ft:...`) are served to every tenant, as any other served adapter.
+models jobs produce (`ft:...`) belong to the job's tenant too (`FinetuneService.may_use_model`).
+
+A job started from an adapter (a fine-tuned model, or `lora.init_adapter`) trains that adapter's
+rank, alpha and target modules, and reports them in `lora`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from flexserve.finetune.records import JobRecord
 from flexserve.finetune.service import FINAL_STATUSES, FinetuneService
 from flexserve.finetune.steps import plan_training_steps
 from flexserve.finetune.store import new_id
+from flexserve.peft.peft_io import parse_lora_config, read_adapter_config
 
 MAX_PAGE_LIMIT = 1000
 _HP_FIELDS = ("batch_size", "learning_rate", "learning_rate_multiplier", "lr_scheduler",
@@ -75,8 +80,10 @@ async def list_jobs(request: Request) -> Response:
                                                  owner_tenant(request))
     except ValueError as e:
         raise bad_request(str(e), param="after", code="invalid_value") from e
-    return json_response(FineTuningJobList(data=[FineTuningJob.from_record(j) for j in jobs],
-                                           has_more=has_more))
+    service = _service(request)
+    return json_response(FineTuningJobList(
+        data=[FineTuningJob.from_record(j, service.estimated_finish(j.id)) for j in jobs],
+        has_more=has_more))
 
 
 async def retrieve_job(request: Request) -> Response:
@@ -94,6 +101,28 @@ async def cancel_job(request: Request) -> Response:
                           code="job_not_cancellable")
     record = await service.cancel(job_id)
     return json_response(FineTuningJob.from_record(record))
+
+
+async def pause_job(request: Request) -> Response:
+    service = _service(request)
+    job_id = request.path_params["job_id"]
+    record = await _require_job(service, job_id, owner_tenant(request))
+    if record.status not in ("validating_files", "queued", "running"):
+        raise bad_request(f"Job {job_id} is {record.status}: only a queued or running job can "
+                          "be paused.", param="fine_tuning_job_id", code="job_not_pausable")
+    record = await service.pause(job_id)
+    return json_response(FineTuningJob.from_record(record, service.estimated_finish(job_id)))
+
+
+async def resume_job(request: Request) -> Response:
+    service = _service(request)
+    job_id = request.path_params["job_id"]
+    record = await _require_job(service, job_id, owner_tenant(request))
+    if record.status != "paused":
+        raise bad_request(f"Job {job_id} is {record.status}: only a paused job can be resumed.",
+                          param="fine_tuning_job_id", code="job_not_resumable")
+    record = await service.resume(job_id)
+    return json_response(FineTuningJob.from_record(record, service.estimated_finish(job_id)))
 
 
 async def list_events(request: Request) -> Response:
@@ -133,7 +162,8 @@ async def _require_job(service: FinetuneService, job_id: str, tenant: str) -> Jo
 
 
 async def _job_response(service: FinetuneService, job_id: str, tenant: str) -> Response:
-    return json_response(FineTuningJob.from_record(await _require_job(service, job_id, tenant)))
+    record = await _require_job(service, job_id, tenant)
+    return json_response(FineTuningJob.from_record(record, service.estimated_finish(job_id)))
 
 
 # -------------------------------------------------------------------------------- validation
@@ -145,7 +175,7 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
         raise bad_request("Fine-tuning needs LoRA slots: start the server with --enable-lora "
                           "(each running job trains its adapter in a LoRA slot).")
     hp = resolve_hyperparameters(body)
-    init_adapter = _base_adapter(service, body.model)
+    init_adapter = _base_adapter(service, body.model, tenant)
     if init_adapter is not None:
         if hp.lora.init_adapter is not None:
             raise bad_request(f"model {body.model!r} is a fine-tuned model: it is the starting "
@@ -160,6 +190,8 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
             raise bad_request(f"lora.init_adapter {hp.lora.init_adapter!r} is neither a served "
                               "adapter's name nor a directory on the server",
                               param="lora.init_adapter")
+    if hp.lora.init_adapter is not None:
+        _adopt_adapter_settings(hp, hp.lora.init_adapter)
     max_rank = engine.engine.config.lora.max_lora_rank
     if hp.lora.r > max_rank:
         raise bad_request(f"lora.r {hp.lora.r} exceeds the server's max_lora_rank {max_rank} "
@@ -170,7 +202,9 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
         raise bad_request("suffix must be non-empty, without ':' or whitespace (it becomes part "
                           "of the model name)", param="suffix", code="invalid_value")
     if body.integrations:
-        raise bad_request("integrations are not supported by this server", param="integrations")
+        raise bad_request("integrations are not supported by this server (no Weights & Biases "
+                          "or other reporting): send none, or an empty list",
+                          param="integrations", code="invalid_value")
     if hp.seed is None:
         hp.seed = secrets.randbelow(2**31)  # recorded, so the job can be reproduced
     data = await _training_data(service, body.training_file, "training_file", hp, tenant)
@@ -234,11 +268,25 @@ def resolve_hyperparameters(body: FineTuningJobCreateRequest) -> Hyperparameters
                           code="invalid_value") from e
 
 
-def _base_adapter(service: FinetuneService, model: str) -> str | None:
+def _adopt_adapter_settings(hp: Hyperparameters, path: str) -> None:
+    """The job trains the initial adapter as it is: its rank, alpha and targets become the
+    job's LoRA settings (what it reports, and what a resume checks)."""
+    try:
+        config = parse_lora_config(read_adapter_config(path))
+    except ValueError as e:
+        raise bad_request(f"the initial adapter cannot be read: {e}",
+                          param="lora.init_adapter") from e
+    hp.lora.r, hp.lora.alpha = config["r"], float(config["lora_alpha"])
+    targets = config.get("target_modules")
+    if isinstance(targets, (list, tuple)) and targets:
+        hp.lora.target_modules = sorted(targets)
+
+
+def _base_adapter(service: FinetuneService, model: str, tenant: str) -> str | None:
     """None for the served base model; the adapter directory of a served fine-tuned model."""
     if model == service.base_model:
         return None
-    if model.startswith("ft:"):
+    if model.startswith("ft:") and service.may_use_model(model, tenant):
         for lora in service.engine.list_loras():
             if lora.lora_name == model:
                 return lora.lora_path

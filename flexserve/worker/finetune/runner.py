@@ -402,7 +402,8 @@ class FinetuneRunner:
                         f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
                         f"(tokens {window.start}-{window.end}): the job diverged; retry with a "
                         "lower learning rate")
-                losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens)
+                losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens,
+                                                               loss.num_correct)
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 self._fail(window.job_id, e, errors, "its forward window's loss")
 

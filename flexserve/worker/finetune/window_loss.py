@@ -38,6 +38,7 @@ class WindowLoss:
 
     loss_sum: float  # sum of the cross-entropy of the window's counted targets (nats)
     num_tokens: int  # how many targets counted
+    num_correct: int = 0  # counted targets that are the argmax of their logits (accuracy)
 
 
 def window_loss(
@@ -56,7 +57,9 @@ def window_loss(
     [start, start + n) of a sequence whose tokens are `token_ids` (loss_mask alike).
     grad_out [n, hidden] fp32 (the window's rows of the sequence's residual-gradient buffer)
     receives grad_scale * d(sum of the window's CE)/d(stream), zero on rows without a target;
-    grad_scale is 1 / (loss tokens of the whole step) for a mean loss. One host sync, for the sum.
+    grad_scale is 1 / (loss tokens of the whole step) for a mean loss. Also counts the targets
+    that are their row's argmax (each row's own logits: exact whatever the window split). One host
+    sync, for the sum and the count.
     """
     n, hidden = stream.shape
     if tuple(grad_out.shape) != (n, hidden) or grad_out.dtype != torch.float32:
@@ -77,12 +80,14 @@ def window_loss(
     norm, weight = model.model.norm, model.lm_head.weight
     loss_dtype = torch.float64 if weight.dtype == torch.float32 else torch.float32
     total = torch.zeros((), dtype=loss_dtype, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
     for first in range(0, len(positions), chunk_rows):
         index = rows[first:first + chunk_rows]
         chunk_targets = targets[first:first + chunk_rows]
         num = index.shape[0]
         x = F.pad(stream.index_select(0, index), (0, 0, 0, max(0, MIN_GEMM_ROWS - num)))
         logits = F.linear(rmsnorm_forward(x, norm.weight, norm.variance_epsilon), weight)
+        correct += (logits[:num].argmax(dim=-1) == chunk_targets).sum()
         # The softmax in place in one wide copy, whose model-dtype source then takes the
         # gradient: 6 bytes per logit at once for bf16 (1024 rows of Llama 3's 128,256: 0.79 GB),
         # where log_softmax, exp and a cast would hold 10 (1.31 GB). The same math as
@@ -103,4 +108,5 @@ def window_loss(
         grad = rmsnorm_backward(x, norm.weight, norm.variance_epsilon, grad_hidden)
         grad_out.index_copy_(0, index, grad[:num])
         del logits
-    return WindowLoss(float(total), len(positions))
+    sums = torch.stack([total, correct.to(loss_dtype)]).tolist()
+    return WindowLoss(sums[0], len(positions), int(sums[1]))
