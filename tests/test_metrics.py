@@ -30,6 +30,7 @@ GAUGES = {
     "flexserve:kv_cache_usage_perc", "flexserve:prefix_cache_hit_rate",
     "flexserve:slo_attainment", "flexserve:latency_model_error_ratio",
     "flexserve:latency_model_scale", "flexserve:iteration_overhead_seconds",
+    "flexserve:slo_feasible",
 }
 COUNTERS = {  # family names: the exposition adds `_total`
     "flexserve:prompt_tokens", "flexserve:generation_tokens", "flexserve:request_success",
