@@ -93,7 +93,8 @@ def main() -> None:
         max_model_len=args.input_len + args.output_len + 16,
         max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=8192,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_lora=max_adapters > 0, max_loras=max(max_adapters, 1), max_lora_rank=args.rank,
+        enable_lora=max_adapters > 0,
+        **({"max_loras": max_adapters, "max_lora_rank": args.rank} if max_adapters else {}),
     )
     g = torch.Generator().manual_seed(0)
     writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))

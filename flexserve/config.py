@@ -186,8 +186,10 @@ class CoserveConfig:
     slo_margin: float = 0.2  # fraction of the TPOT SLO kept free for latency-model error and
     # for the occasional backward iteration 2-3x slower than its shape predicts (measured on an
     # H200, docs/benchmarks.md)
-    finetune_min_share: float = 0.01  # fraction of the token budget fine-tuning keeps when
-    # inference alone saturates the SLO (fine-tuning never starves completely)
+    finetune_min_share: float = 0.0  # fraction of the token budget fine-tuning keeps beside
+    # running requests when they alone are predicted over the TPOT limit, or when a prompt nears
+    # its TTFT deadline; 0: none, inference keeps priority (with no request running,
+    # fine-tuning always runs)
     ttft_pressure: float = 0.5  # a prompt waiting longer than this fraction of the TTFT SLO
     # shrinks fine-tuning to its minimum share
     temporal_frequency: int = 64  # temporal: one fine-tuning step after every n iterations
@@ -225,7 +227,8 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    lora: LoRAConfig | None = None  # None: LoRA disabled (no slots, no wrapped linears)
+    lora: LoRAConfig | None = None  # None: LoRA off (no slots, no wrapped linears); the CLI
+    # and `LLM` give a LoRAConfig unless told --no-enable-lora / enable_lora=False
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     coserve: CoserveConfig = field(default_factory=CoserveConfig)
     disable_log_stats: bool = False  # periodic one-line stats in the log

@@ -482,3 +482,10 @@ def test_a_bad_startup_adapter_fails_the_engine_with_its_name():
         make_engine(lora_modules={"x": "/adapters/broken-on-disk"})
     engine, executor = make_engine(lora_modules={"a": "/adapters/a", "b": "/adapters/b"})
     assert [r.lora_name for r in engine.list_loras()] == ["a", "b"] and executor.num_cpu_loras == 2
+
+
+def test_llm_refuses_lora_options_with_lora_turned_off():
+    from flexserve import LLM
+
+    with pytest.raises(ValueError, match="enable_lora=False turns LoRA off, so max_loras"):
+        LLM("unused", enable_lora=False, max_loras=2)  # refused before any model is read

@@ -161,10 +161,14 @@ def test_bad_finetune_input_is_refused(llm):
     assert llm.engine.scheduler.adapter_manager.num_resident == 0  # the slot was given back
 
 
-def test_finetune_needs_lora(smollm2_dir):
-    llm = LLM(smollm2_dir, max_model_len=64)
-    with pytest.raises(ValueError, match="LoRA"):
-        llm.finetune(DATA)
+def test_finetune_needs_no_flag_unless_lora_is_turned_off(smollm2_dir):
+    llm = LLM(smollm2_dir, max_model_len=64)  # LoRA slots by default
+    job = llm.finetune(DATA, lora={"r": 4, "alpha": 8}, hyperparameters={"n_epochs": 1})
+    job.wait()
+    assert job.status == "succeeded" and job.num_steps >= 1
+    off = LLM(smollm2_dir, max_model_len=64, enable_lora=False)
+    with pytest.raises(ValueError, match="LoRA is not enabled.*--no-enable-lora"):
+        off.finetune(DATA)
 
 
 def test_max_finetune_len_is_bounded_by_the_context(smollm2_dir):

@@ -67,7 +67,8 @@ class Clock:
 def make_scheduler(policy: str = "coserve", model: FakeLatencyModel | None = None,
                    clock: Clock | None = None, max_num_seqs: int = 64,
                    num_blocks: int = 2048, **coserve) -> Scheduler:
-    config = CoserveConfig(policy=policy, slo_tpot_ms=SLO_MS, slo_margin=MARGIN, **coserve)
+    config = CoserveConfig(**{"policy": policy, "slo_tpot_ms": SLO_MS, "slo_margin": MARGIN,
+                              **coserve})
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=max_num_seqs),
         CacheConfig(block_size=BLOCK, num_blocks=num_blocks), num_blocks, max_model_len=4096,
@@ -188,8 +189,30 @@ def test_no_plan_is_predicted_over_the_slo_when_inference_alone_fits(seed):
     assert checked > 20
 
 
-def test_saturated_inference_leaves_fine_tuning_its_minimum_share():
-    # Decode rows alone cost more than the SLO: fine-tuning gets exactly the floor.
+def test_saturated_inference_runs_no_fine_tuning_beside_it_by_default():
+    # Decode rows alone cost more than the SLO: by default fine-tuning waits, so no request is
+    # slowed beyond what it costs alone; with no request left it runs again.
+    model = FakeLatencyModel(per_token=1e-4)
+    scheduler = make_scheduler(model=model, max_num_seqs=BUDGET)
+    assert scheduler.hybrid.floor_tokens == 0
+    for i in range(BUDGET - 64):
+        add_request(scheduler, f"r{i}", prompt_len=1, max_tokens=3)
+    add_job(scheduler, lengths=(3000,))
+    step(scheduler)  # admits the prompts (they alone exceed the SLO)
+    saturated = 0
+    while scheduler.num_running:
+        plan = step(scheduler)
+        if plan.sequences:
+            assert model.predict(inference_shape(plan)) > LIMIT
+            assert not (plan.finetune_windows or plan.backward_windows), plan
+            saturated += 1
+    assert saturated >= 2
+    idle = step(scheduler)
+    assert not idle.sequences and sum(w.end - w.start for w in idle.finetune_windows) > 0
+
+
+def test_saturated_inference_leaves_fine_tuning_its_opt_in_minimum_share():
+    # Decode rows alone cost more than the SLO: fine-tuning gets exactly the floor asked for.
     model = FakeLatencyModel(per_token=1e-4)
     scheduler = make_scheduler(model=model, finetune_min_share=0.05, max_num_seqs=BUDGET)
     floor = math.ceil(0.05 * BUDGET)
@@ -488,3 +511,36 @@ def test_mean_mode_keeps_the_running_mean_within_the_limit():
 def test_tpot_mode_is_validated():
     with pytest.raises(ValueError, match="slo_tpot_mode"):
         CoserveConfig(slo_tpot_mode="median")
+
+
+def test_a_tpot_slo_below_a_decode_step_is_reported_at_start_up(caplog):
+    slow = FakeLatencyModel(base=2 * LIMIT)
+    with caplog.at_level("WARNING", logger="flexserve.engine.slo_feasibility"):
+        scheduler = make_scheduler(model=slow)
+    assert scheduler.hybrid.tpot_feasible is False
+    assert "TPOT SLO out of reach" in caplog.text and "batch 1" in caplog.text
+    fast = make_scheduler(model=FakeLatencyModel())
+    assert fast.hybrid.tpot_feasible is True
+
+
+def test_measured_decode_steps_over_the_limit_are_reported_online(caplog):
+    from flexserve.engine.slo_feasibility import MIN_DECODE_SAMPLES
+
+    scheduler = make_scheduler(model=FakeLatencyModel())  # the profile says it fits
+    add_request(scheduler, "r", prompt_len=4, max_tokens=100)
+    scheduler.observe_iteration(step(scheduler), 5 * LIMIT)  # a prefill: not a decode step
+    assert scheduler.hybrid.tpot_feasibility.num_decode_samples == 0
+    with caplog.at_level("WARNING", logger="flexserve.engine.slo_feasibility"):
+        for i in range(MIN_DECODE_SAMPLES):
+            assert scheduler.hybrid.tpot_feasible is True, i
+            scheduler.observe_iteration(step(scheduler), 2 * LIMIT)
+    assert scheduler.hybrid.tpot_feasible is False
+    assert "decode-only iterations" in caplog.text
+    for _ in range(60):  # the device got faster (another process left)
+        scheduler.observe_iteration(step(scheduler), 0.2 * LIMIT)
+    assert scheduler.hybrid.tpot_feasible is True
+
+
+def test_without_a_tpot_slo_feasibility_is_unknown():
+    scheduler = make_scheduler(model=FakeLatencyModel(base=1.0), slo_tpot_ms=None)
+    assert scheduler.hybrid.tpot_feasible is None

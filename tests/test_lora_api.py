@@ -306,7 +306,12 @@ def test_openapi_documents_the_adapter_routes(server):
 def test_cli_lora_options():
     parser = build_parser()
     args = parser.parse_args(["serve"])
-    assert engine_config_from_args(args).lora is None
+    lora = engine_config_from_args(args).lora  # on by default: fine-tuning needs no flag
+    assert (lora.max_loras, lora.max_cpu_loras, lora.max_lora_rank) == (4, 8, 64)
+    assert engine_config_from_args(parser.parse_args(["serve", "--no-enable-lora"])).lora is None
+    for extra in (["--max-loras", "2"], ["--lora-modules", "a=/x/a"]):
+        with pytest.raises(ValueError, match=f"--no-enable-lora turns LoRA off, so {extra[0]}"):
+            engine_config_from_args(parser.parse_args(["serve", "--no-enable-lora", *extra]))
     args = parser.parse_args(["serve", "--max-loras", "3"])
     lora = engine_config_from_args(args).lora
     assert (lora.max_loras, lora.max_cpu_loras, lora.max_lora_rank) == (3, 8, 64)
@@ -337,7 +342,7 @@ def test_adapter_routes_without_lora_are_400():
     app = build_app(engine)
     with TestClient(app) as client:
         response = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/p"})
-        assert response.status_code == 400 and "--enable-lora" in response.text
+        assert response.status_code == 400 and "--no-enable-lora" in response.text
         response = client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
         assert response.status_code == 400
         assert client.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404

@@ -30,6 +30,7 @@ GAUGES = {
     "flexserve:kv_cache_usage_perc", "flexserve:prefix_cache_hit_rate",
     "flexserve:slo_attainment", "flexserve:latency_model_error_ratio",
     "flexserve:latency_model_scale", "flexserve:iteration_overhead_seconds",
+    "flexserve:slo_feasible",
 }
 COUNTERS = {  # family names: the exposition adds `_total`
     "flexserve:prompt_tokens", "flexserve:generation_tokens", "flexserve:request_success",
@@ -211,3 +212,16 @@ def test_coserving_metrics_map_slo_attainment_and_fine_tuning_work():
     s = scrape(metrics.render()[0].decode())
     assert value(s, "flexserve:slo_attainment", slo="ttft") == 0.5  # 2.0 (miss) and 0.1 (met)
     assert value(s, "flexserve:requests_slo_met_total", slo="ttft") == 4
+
+
+def test_slo_feasible_gauge_follows_the_engine_verdict():
+    metrics = PrometheusStatLogger(MODEL)
+    metrics.record(IterationStats(now=1.0))  # not known yet: no series
+    assert b"flexserve:slo_feasible{" not in metrics.render()[0]
+    for verdict, expected in ((False, 0.0), (True, 1.0)):
+        metrics.record(IterationStats(now=2.0, slo_tpot_feasible=verdict))
+        families = {f.name: f for f in text_string_to_metric_families(
+            metrics.render()[0].decode())}
+        (sample,) = families["flexserve:slo_feasible"].samples
+        assert sample.labels == {"model_name": MODEL, "slo": "tpot"}
+        assert sample.value == expected

@@ -448,6 +448,7 @@ class AsyncLLMEngine:
         stats.num_waiting = scheduler.num_waiting
         stats.kv_cache_usage = scheduler.kv_cache_usage
         stats.prefix_cache_hit_rate = scheduler.prefix_cache_hit_rate
+        stats.slo_tpot_feasible = scheduler.hybrid.tpot_feasible
         total = scheduler.num_preemptions_total
         stats.num_preemptions = total - self._num_preemptions_seen
         self._num_preemptions_seen = total

@@ -8,7 +8,10 @@ The inference rows of a step are chosen first (iteration-level scheduling with c
   the predicted iteration time reaches the limit (TPOT SLO minus a margin, minus the host time
   each iteration also costs outside schedule + execute, see `observe_overhead`). When the inference work
   alone is predicted over the limit, or a waiting prompt is close to its TTFT deadline, fine-tuning
-  gets only its minimum share (`finetune_min_share` of the token budget), so it never starves.
+  gets only its minimum share (`finetune_min_share` of the token budget): none by default, so
+  fine-tuning never makes a request miss an SLO it would meet alone; an operator who wants
+  fine-tuning guaranteed some progress under saturating traffic sets a share above 0. A TPOT SLO
+  the device cannot meet even with decode alone is reported (`TPOTFeasibility`).
   With `slo_tpot_mode="mean"` the limit of an iteration with running requests is what keeps the
   mean of the last TPOT_MEAN_WINDOW such iterations within the TPOT limit (a request's TPOT is
   a mean), up to MAX_ITERATION_SLOS x the SLO (`effective_limit_s`).
@@ -50,6 +53,7 @@ from flexserve.engine.latency_model import (
 from flexserve.engine.plan import BatchPlan
 from flexserve.engine.request import Request
 from flexserve.engine.sharing_policy import DynamicTemporalSharing, SharingPolicy, TemporalSharing
+from flexserve.engine.slo_feasibility import TPOTFeasibility
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +237,13 @@ class HybridTokenScheduler:
         self._last_plan: BatchPlan | None = None  # that plan and its shape (observed after it ran)
         self._last_shape = IterationShape()
         self.trace = IterationTrace.from_env()  # FLEXSERVE_ITERATION_TRACE
+        # Whether a decode step alone fits the TPOT limit: from the profile now (a fallback
+        # model knows nothing before it measures), from decode-only iterations later.
+        self.tpot_feasibility = None if config.slo_tpot_ms is None \
+            else TPOTFeasibility(config.slo_tpot_ms, config.slo_margin)
+        if self.tpot_feasibility is not None \
+                and not getattr(self.latency_model, "is_fallback", False):
+            self.tpot_feasibility.check_profile(self.latency_model.predict)
 
     # ---------------------------------------------------------------------------- the step
     def mode(self, has_inference_work: bool, has_finetune_work: bool) -> StepMode:
@@ -321,8 +332,15 @@ class HybridTokenScheduler:
             self.trace.record(shape, predicted, seconds, self.latency_model.scale,
                               self.last_mode.value if self.last_mode else None, thread_seconds)
         self.latency_model.observe(shape, seconds)
+        if self.tpot_feasibility is not None:
+            self.tpot_feasibility.observe(shape, seconds)
         if self.mean_mode and plan.sequences:
             self._token_iterations.append(seconds + self.overhead_s)
+
+    @property
+    def tpot_feasible(self) -> bool | None:
+        """Whether a decode step alone fits the TPOT limit; None: no SLO, or not known yet."""
+        return None if self.tpot_feasibility is None else self.tpot_feasibility.feasible
 
     @property
     def iteration_limit_s(self) -> float | None:

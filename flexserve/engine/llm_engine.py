@@ -451,7 +451,8 @@ class LLMEngine:
     def _adapters(self) -> AdapterManager:
         adapters = self.scheduler.adapter_manager
         if adapters is None:
-            raise ValueError("LoRA is not enabled in this engine (enable_lora / --enable-lora)")
+            raise ValueError("LoRA is not enabled in this engine (it was built with "
+                             "enable_lora=False / --no-enable-lora)")
         return adapters
 
     def _lora_executor(self) -> LoRAExecutor:

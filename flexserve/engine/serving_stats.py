@@ -60,6 +60,8 @@ class IterationStats:
     latency_model_error_ratio: float | None = None  # rolling |predicted - measured| / measured
     latency_model_scale: float | None = None  # the latency model's online correction factor
     iteration_overhead: float | None = None  # seconds: EWMA of host time between steps
+    # whether a decode step alone fits the TPOT limit (TPOTFeasibility); None: no SLO or unknown
+    slo_tpot_feasible: bool | None = None
 
 
 class StatLogger(Protocol):

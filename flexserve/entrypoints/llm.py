@@ -34,12 +34,13 @@ class LLM:
     Keyword arguments are the fields of `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
     `LoRAConfig`, `FinetuneConfig` and `CoserveConfig` (e.g. `dtype`, `max_model_len`,
     `max_num_batched_tokens`, `num_blocks`, `kv_cache_gib`, `max_loras`, `max_lora_rank`,
-    `policy`, `slo_tpot_ms`); `enable_lora=True` or any LoRA field turns LoRA on, after which
-    `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters. Offline there is no
+    `policy`, `slo_tpot_ms`). LoRA slots are on by default (`finetune` needs one per job, and
+    `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters); a batch without
+    adapters runs only the base GEMMs. `enable_lora=False` allocates none. Offline there is no
     latency SLO unless `slo_tpot_ms` is given: fine-tuning windows then fill the token budget.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool = False,
+    def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool = True,
                  **kwargs: Any) -> None:
         sections = {}
         for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, FinetuneConfig,
@@ -49,8 +50,11 @@ class LLM:
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         lora = None
-        if enable_lora or sections[LoRAConfig]:
+        if enable_lora:
             lora = LoRAConfig(**sections[LoRAConfig])
+        elif sections[LoRAConfig]:
+            raise ValueError(f"enable_lora=False turns LoRA off, so "
+                             f"{', '.join(sorted(sections[LoRAConfig]))} cannot apply")
         config = EngineConfig(
             model=ModelConfig(model=model, **sections[ModelConfig]),
             cache=CacheConfig(**sections[CacheConfig]),
@@ -76,7 +80,7 @@ class LLM:
         job_id: str | None = None,
         resume_from: str | None = None,
     ) -> FinetuneJob:
-        """Start token-level LoRA fine-tuning on this model (needs enable_lora=True).
+        """Start token-level LoRA fine-tuning on this model (in one of its LoRA slots).
 
         `dataset`: a JSONL path, JSONL bytes or a list of dicts, each {"text"}, {"prompt",
         "completion"} or {"messages"} (docs/finetuning.md). `lora`: r, alpha, dropout,

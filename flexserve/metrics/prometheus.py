@@ -140,6 +140,12 @@ class PrometheusStatLogger:
             "Finished requests that met the SLO (ttft, tpot).", labels + ["slo"], registry=r)
         self._slo_attainment_family = attainment  # children appear with the first finished request
         self.requests_slo_met = {slo: met.labels(model_name, slo) for slo in self.slo_s}
+        self.slo_feasible = Gauge(
+            "flexserve:slo_feasible",
+            "1 while the device can meet the SLO with inference alone, 0 when it cannot "
+            "(tpot: a decode step, predicted by the latency profile at start-up and measured "
+            "on decode-only iterations, against --slo-tpot-ms less --slo-margin); absent until "
+            "known.", labels + ["slo"], registry=r, multiprocess_mode="mostrecent")
         self.finetune_window_tokens = histogram(
             "flexserve:finetune_window_tokens",
             "Fine-tuning forward-window tokens in one iteration (iterations with fine-tuning).",
@@ -201,6 +207,8 @@ class PrometheusStatLogger:
         if self.lora_requests_running is not None and stats.lora_requests_running is not None:
             self._record_lora(stats)
         self._record_finetune(stats)
+        if stats.slo_tpot_feasible is not None:
+            self.slo_feasible.labels(self.model_name, "tpot").set(int(stats.slo_tpot_feasible))
         for ttft in stats.time_to_first_tokens:
             self.time_to_first_token.observe(ttft)
         for itl in stats.inter_token_latencies:

@@ -441,7 +441,8 @@ class ModelRunner:
     def _finetune(self) -> FinetuneRunner:
         if self.finetune_runner is None:
             if self.lora_manager is None:
-                raise ValueError("fine-tuning needs LoRA slots: enable LoRA (--enable-lora)")
+                raise ValueError("fine-tuning needs LoRA slots, and LoRA is off in this engine "
+                                 "(enable_lora=False / --no-enable-lora)")
             ft = self.config.finetune
             max_finetune_len = ft.max_finetune_len or self.config.model.max_model_len
             if self.mixed_graphs is not None:
@@ -468,7 +469,8 @@ class ModelRunner:
 
     def _lora(self) -> LoRAManager:
         if self.lora_manager is None:
-            raise ValueError("LoRA is not enabled in this engine")
+            raise ValueError("LoRA is not enabled in this engine (enable_lora=False / "
+                             "--no-enable-lora)")
         return self.lora_manager
 
     def _continuation_input_ids(self, num_rows: int) -> torch.Tensor:

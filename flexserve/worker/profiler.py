@@ -249,7 +249,8 @@ def profile_executor(executor: Any, info: Any, grid: ProfileGrid, repeats: int =
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
     if getattr(executor, "lora_manager", None) is None:
-        raise ValueError("profiling fine-tuning iterations needs LoRA slots: enable LoRA")
+        raise ValueError("profiling fine-tuning iterations needs LoRA slots: drop "
+                         "--no-enable-lora")
     heldout_inference, heldout_finetune = grid.heldout_cases()
     _check_grid(grid.inference + heldout_inference, grid.finetune + heldout_finetune, info)
     began = time.perf_counter()

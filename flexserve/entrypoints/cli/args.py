@@ -100,7 +100,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "concurrently with the forward")
 
     lora = LoRAConfig()
-    group = parser.add_argument_group("fine-tuning (token-level LoRA jobs; they need LoRA slots)")
+    group = parser.add_argument_group("fine-tuning (token-level LoRA jobs; each holds a LoRA slot)")
     group.add_argument("--max-finetune-len", type=int, default=None,
                        help="longest training sequence; sizes each sequence's gradient buffers "
                             "[max_model_len]")
@@ -123,9 +123,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="under --finetune-activation-budget, keep every other layer's "
                             "activations in pinned host memory (copied on a side stream while "
                             "the GPU computes) before any layer recomputes [off]")
-    group = parser.add_argument_group("LoRA adapters (any of these options enables LoRA)")
-    group.add_argument("--enable-lora", action="store_true",
-                       help="serve LoRA adapters (loaded at start-up or at run time)")
+    group = parser.add_argument_group(
+        "LoRA slots (on by default: fine-tuning jobs and served adapters use them)")
+    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=True,
+                       help="LoRA slots for fine-tuning jobs and adapters loaded at start-up or "
+                            "at run time; a batch without adapters runs only the base GEMMs. "
+                            "--no-enable-lora: no slots, no fine-tuning, no adapters [on]")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="adapters to load at start-up, as name=path or as JSON "
                             '\'{"name": "...", "path": "..."}\'')
@@ -164,14 +167,20 @@ def parse_lora_modules(values: Sequence[str] | None) -> dict[str, str]:
 
 
 def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
-    """LoRAConfig when --enable-lora or any LoRA option is given, else None."""
+    """LoRAConfig (the default), or None under --no-enable-lora; ValueError when that is
+    combined with a LoRA option."""
     given = {
         "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
         "max_lora_rank": args.max_lora_rank, "allowed_adapter_dir": args.allowed_adapter_dir,
     }
     given = {k: v for k, v in given.items() if v is not None}
     modules = parse_lora_modules(args.lora_modules)
-    if not (args.enable_lora or given or modules):
+    if not args.enable_lora:
+        options = [f"--{k.replace('_', '-')}" for k in given] + (["--lora-modules"] if modules
+                                                                  else [])
+        if options:
+            raise ValueError(f"--no-enable-lora turns LoRA off, so {', '.join(options)} "
+                             "cannot apply: drop one or the other")
         return None
     return LoRAConfig(lora_modules=modules, **given)
 

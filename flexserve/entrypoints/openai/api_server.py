@@ -242,7 +242,7 @@ async def load_lora_adapter(request: Request) -> Response:
     state = request.app.state
     engine: AsyncLLMEngine = state.engine
     if not engine.lora_enabled:
-        raise bad_request("LoRA is not enabled: start the server with --enable-lora")
+        raise bad_request("LoRA is not enabled: the server runs with --no-enable-lora")
     if body.lora_name == state.served_model_name:
         raise bad_request(f"'{body.lora_name}' is the base model's name", param="lora_name")
     service: FinetuneService | None = state.finetune
@@ -271,7 +271,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     body = UnloadLoRAAdapterRequest.model_validate_json(await request.body())
     engine: AsyncLLMEngine = request.app.state.engine
     if not engine.lora_enabled:
-        raise bad_request("LoRA is not enabled: start the server with --enable-lora")
+        raise bad_request("LoRA is not enabled: the server runs with --no-enable-lora")
     service: FinetuneService | None = request.app.state.finetune
     if service is not None and not service.may_use_model(body.lora_name, owner_tenant(request)):
         raise _adapter_not_found(body.lora_name)
