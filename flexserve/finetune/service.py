@@ -180,7 +180,8 @@ class FinetuneService:
         resumed = [job.id for job in jobs if job.status == "running"]
         queued = [job.id for job in jobs if job.status in ("queued", "validating_files")]
         if (resumed or queued) and not self.engine.lora_enabled:
-            logger.warning("%d fine-tuning job(s) wait for a server with --enable-lora",
+            logger.warning("%d fine-tuning job(s) wait for a server with LoRA slots (this one "
+                           "runs with --no-enable-lora)",
                            len(resumed) + len(queued))
             return
         self._queue.extend(resumed + queued)

@@ -172,7 +172,7 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
     """The job to store, its tokenized training data and validation examples; 400 when bad."""
     engine = service.engine
     if not engine.lora_enabled:
-        raise bad_request("Fine-tuning needs LoRA slots: start the server with --enable-lora "
+        raise bad_request("Fine-tuning needs LoRA slots: this server runs with --no-enable-lora "
                           "(each running job trains its adapter in a LoRA slot).")
     hp = resolve_hyperparameters(body)
     init_adapter = _base_adapter(service, body.model, tenant)
