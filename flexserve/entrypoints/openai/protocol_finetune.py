@@ -160,7 +160,8 @@ class FineTuningJob(OpenAIModel):
             validation_file=record.validation_file, integrations=record.integrations,
             metadata=record.metadata, user_provided_suffix=record.suffix, lora=record.lora,
             adapter_path=record.adapter_path, result_files=list(record.result_files or ()),
-            estimated_finish=estimated_finish,
+            # only a running job has one (the service may still hold a job that just ended)
+            estimated_finish=estimated_finish if record.status == "running" else None,
         )
 
 
