@@ -429,7 +429,7 @@ def test_openapi_lists_the_fine_tuning_routes(server):
             "/v1/fine_tuning/jobs/{job_id}/checkpoints"} <= set(paths)
 
 
-def test_without_lora_a_job_is_400_naming_enable_lora(smollm2_dir, tmp_path):
+def test_without_lora_a_job_is_400_naming_the_flag(smollm2_dir, tmp_path):
     engine = build_async_engine(engine_config(smollm2_dir, lora=False), log_stats=False)
     app = build_app(engine, served_model_name=MODEL,
                     finetune=FinetuneServiceConfig(state_dir=str(tmp_path)))
@@ -439,7 +439,7 @@ def test_without_lora_a_job_is_400_naming_enable_lora(smollm2_dir, tmp_path):
         file_id = client.files.create(file=("f.jsonl", FACTS_JSONL), purpose="fine-tune").id
         with pytest.raises(openai.BadRequestError) as e:
             client.fine_tuning.jobs.create(model=MODEL, training_file=file_id)
-        assert "--enable-lora" in e.value.body["message"]
+        assert "--no-enable-lora" in e.value.body["message"]
     finally:
         thread.stop()
         engine.shutdown()

@@ -115,9 +115,11 @@ def test_kill_9_mid_job_then_restart_resumes_and_equals_an_uninterrupted_run(smo
         ref = wait_for(client, reference.id, lambda j: j.status in ("succeeded", "failed"))
         assert ref.status == "succeeded", ref.error
 
-        # Checkpoints saved before the kill are served again (registered at start-up).
+        # The newest checkpoint (always kept by retention) and the job's name are served.
         name = f"ft:{MODEL}::{resumed.id}"
-        for model in (f"{name}:ckpt-step-1", name):
+        newest = client.fine_tuning.jobs.checkpoints.list(resumed.id, limit=1).data[0]
+        assert newest.fine_tuned_model_checkpoint.startswith(f"{name}:ckpt-step-")
+        for model in (newest.fine_tuned_model_checkpoint, name):
             assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
 
         messages = [e.message for e in client.fine_tuning.jobs.list_events(resumed.id,

@@ -184,7 +184,7 @@ def test_tiny_qwen2_with_projection_biases_equals_peft(tiny_config, tiny_checkpo
     base = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in base] != expected
     # LoRA disabled: plain nn.Linear projections (no wrapper at all), same base outputs.
-    plain = LLM(path, max_model_len=64, kv_cache_gib=0.01)
+    plain = LLM(path, max_model_len=64, kv_cache_gib=0.01, enable_lora=False)
     q_proj = plain.engine.executor.model.model.layers[0].self_attn.q_proj
     assert type(q_proj) is torch.nn.Linear
     assert type(llm.engine.executor.model.model.layers[0].self_attn.q_proj) is LoRALinear
