@@ -243,7 +243,12 @@ def test_a_job_trains_serves_its_checkpoints_while_training_and_memorizes(client
     with pytest.raises(openai.NotFoundError):
         complete(client, f"{name}:ckpt-step-9", FACTS[0]["prompt"], max_tokens=2)
 
-    # The per-step metrics CSV, a file of purpose fine-tune-results.
+    # The per-step metrics CSV, a file of purpose fine-tune-results (written as the job leaves
+    # the engine, which may follow its final status by a moment).
+    deadline = time.monotonic() + 30
+    while not job.result_files and time.monotonic() < deadline:
+        time.sleep(0.05)
+        job = client.fine_tuning.jobs.retrieve(job.id)
     assert len(job.result_files) == 1
     result = client.files.retrieve(job.result_files[0])
     assert (result.purpose, result.filename) == ("fine-tune-results", "step_metrics.csv")
