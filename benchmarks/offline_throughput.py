@@ -2,8 +2,8 @@
 against the physical floors measured in the same run.
 
 Fixed-length random prompts, greedy, EOS ignored, so both backends produce exactly
-batch x output_len tokens. Backends: `flexserve` (CUDA graphs for decode), `flexserve-eager`
-(--enforce-eager), `hf`. Also times one prefill of --prefill-len tokens. Floors: a decode step must
+batch x output_len tokens. Backends: `flexserve` (the defaults: CUDA graphs for decode, LoRA
+slots reserved), `flexserve-eager` (--enforce-eager), `flexserve-no-lora` (--no-enable-lora), `hf`. Also times one prefill of --prefill-len tokens. Floors: a decode step must
 read every weight it uses (all parameters but the embedding table) and each row's K/V once, at the
 measured copy bandwidth; a prefill must do 2 x params x tokens + causal attention FLOPs at the
 measured matmul peak. Prints one JSON line per measurement and a table at the end.
@@ -41,11 +41,12 @@ def measure_peaks(device: torch.device) -> dict[str, float]:
             "matmul_tflop_s": harness.matmul_peak(timer_us, device) / 1e12}
 
 
-def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], enforce_eager: bool,
+def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: str,
                   prefill_prompt: list[int] | None) -> list[dict]:
+    """backend: "flexserve" (the defaults: CUDA graphs, LoRA slots reserved but empty),
+    "flexserve-eager" (no CUDA graphs) or "flexserve-no-lora" (no LoRA slots)."""
     from flexserve import LLM, SamplingParams
 
-    backend = "flexserve-eager" if enforce_eager else "flexserve"
     llm = LLM(
         args.model,
         load_format=args.load_format,
@@ -55,7 +56,8 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], enforce_ea
         max_num_seqs=max(prompts_by_batch),
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,  # repeated prompts must not be served from the cache
-        enforce_eager=enforce_eager,
+        enforce_eager=backend == "flexserve-eager",
+        enable_lora=backend != "flexserve-no-lora",
         async_scheduling=args.async_scheduling,
     )
     results = []
@@ -166,7 +168,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--backends", nargs="+", default=["flexserve", "flexserve-eager", "hf"],
-                        choices=["flexserve", "flexserve-eager", "hf"])
+                        choices=["flexserve", "flexserve-eager", "flexserve-no-lora", "hf"])
     parser.add_argument("--prefill-len", type=int, default=4096,
                         help="also time one prefill of this many tokens (0: skip)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -194,7 +196,7 @@ def main() -> None:
         if backend == "hf":
             rows = run_hf(args, prompts, hf_config, prefill_prompt)
         else:
-            rows = run_flexserve(args, prompts, backend == "flexserve-eager", prefill_prompt)
+            rows = run_flexserve(args, prompts, backend, prefill_prompt)
         for row in rows:
             writer.write(row)
         results.extend(rows)
