@@ -11,6 +11,8 @@ import os
 import signal
 import time
 
+import openai
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -115,13 +117,6 @@ def test_kill_9_mid_job_then_restart_resumes_and_equals_an_uninterrupted_run(smo
         ref = wait_for(client, reference.id, lambda j: j.status in ("succeeded", "failed"))
         assert ref.status == "succeeded", ref.error
 
-        # The newest checkpoint (always kept by retention) and the job's name are served.
-        name = f"ft:{MODEL}::{resumed.id}"
-        newest = client.fine_tuning.jobs.checkpoints.list(resumed.id, limit=1).data[0]
-        assert newest.fine_tuned_model_checkpoint.startswith(f"{name}:ckpt-step-")
-        for model in (newest.fine_tuned_model_checkpoint, name):
-            assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
-
         messages = [e.message for e in client.fine_tuning.jobs.list_events(resumed.id,
                                                                            limit=1000).data]
         resume_steps = [int(m.split("resumed from step ")[1].split()[0])
@@ -154,3 +149,23 @@ def test_kill_9_mid_job_then_restart_resumes_and_equals_an_uninterrupted_run(smo
         assert any(t.abs().max() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained
     finally:
         second.stop()
+
+    # A third start: every checkpoint retention kept (the newest, and the older ones, which
+    # only the start-up registers again) and the job's name are served; deleted ones are not.
+    third = Server(smollm2_dir, state_dir, log, profile)
+    try:
+        client = third.client
+        name = f"ft:{MODEL}::{resumed.id}"
+        listed = client.fine_tuning.jobs.checkpoints.list(resumed.id, limit=100).data
+        kept = [c for c in listed if c.model_extra.get("deleted_at") is None]
+        deleted = [c for c in listed if c.model_extra.get("deleted_at") is not None]
+        assert listed[0] in kept and len(kept) >= 2 and deleted
+        for model in [c.fine_tuned_model_checkpoint for c in kept] + [name]:
+            assert model.startswith(name)
+            assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=deleted[0].fine_tuned_model_checkpoint,
+                                      prompt="Hi", max_tokens=2)
+    finally:
+        third.stop()
+
