@@ -26,6 +26,7 @@ from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 from _hf_training import save_random_peft_adapter, train_hf_peft
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def test_buckets():
@@ -73,12 +74,12 @@ def test_arena_allocates_first_fit_and_clears():
     assert not arena.has(0, "x")
 
 
-def _setup(tiny_config, tiny_checkpoint, tmp_path):
+def _setup(tiny_config, tiny_checkpoint, tmp_path, targets=TARGETS):
     config = tiny_config("llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=128)
     model_dir = tiny_checkpoint(config, seed=3)
     g = torch.Generator().manual_seed(0)
-    adapter_dir = save_random_peft_adapter(model_dir, tmp_path / "init", TARGETS, g, 0.1)
+    adapter_dir = save_random_peft_adapter(model_dir, tmp_path / "init", targets, g, 0.1)
     examples = []
     for i, n in enumerate((23, 37, 16, 41)):
         ids = torch.randint(0, config.vocab_size, (n,), generator=g).tolist()
@@ -88,7 +89,7 @@ def _setup(tiny_config, tiny_checkpoint, tmp_path):
     hp = Hyperparameters.from_dict({
         "batch_size": 2, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-3,
         "lr_scheduler": "constant", "max_grad_norm": None,
-        "lora": {"r": 8, "alpha": 16, "target_modules": TARGETS}})
+        "lora": {"r": 8, "alpha": 16, "target_modules": targets}})
     return model_dir, adapter_dir, examples, data, hp
 
 
@@ -121,6 +122,9 @@ def test_padded_forward_trains_what_hf_peft_trains(tiny_config, tiny_checkpoint,
     graphs = engine.executor.mixed_graphs
     assert graphs.num_replays_by_kind["capture"] > 0, "no window went through the padded path"
     assert set(graphs.graphs) == precaptured  # serving captured nothing new
+    # Every backward window ran as the padded pieces around an eager attention.
+    windows = engine.executor.finetune_runner.num_backward_windows
+    assert windows["graphs"] > 0 and windows["eager"] == 0, windows
     out = str(tmp_path / "tuned")
     engine.save_finetune_adapter(job.job_id, out)
     ours = {k: v.double() for k, v in load_file(f"{out}/adapter_model.safetensors").items()}
@@ -153,3 +157,61 @@ def test_padded_forward_generates_what_the_eager_path_generates(tiny_config, tin
         if graphs:
             assert llm.engine.executor.mixed_graphs.graphs  # prefill chunks took the padded path
     assert outputs[True] == outputs[False]
+
+
+def _train(model_dir, adapter_dir, data, hp, out: str) -> dict:
+    from safetensors.torch import load_file
+
+    llm = _llm(model_dir, graphs=True)
+    engine = llm.engine
+    job = engine.add_finetune_job(data, hp, init_adapter_path=adapter_dir)
+    for i, prompt in enumerate(([5, 6, 7], [9] * 11, [3] * 5)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=5, temperature=0))
+    while not job.finished or engine.has_unfinished_requests():
+        engine.step()
+    assert job.status.value == "succeeded", job.error
+    engine.save_finetune_adapter(job.job_id, out)
+    windows = dict(engine.executor.finetune_runner.num_backward_windows)
+    return load_file(f"{out}/adapter_model.safetensors"), windows
+
+
+@pytest.mark.parametrize("targets", [TARGETS, ALL_TARGETS], ids=["q-v-down", "all"])
+def test_backward_pieces_train_what_eager_windows_train(targets, tiny_config, tiny_checkpoint,
+                                                        tmp_path, monkeypatch):
+    """The backward windows as padded pieces around an eager attention (what the CUDA graphs
+    capture) give the eager windows' adapter: the padding rows add exactly zero, and only the
+    GEMMs' row count differs (fp32 rounding)."""
+    from flexserve.worker.finetune.runner import FinetuneRunner
+
+    model_dir, adapter_dir, _, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path, targets)
+    pieces, by_pieces = _train(model_dir, adapter_dir, data, hp, str(tmp_path / "pieces"))
+    monkeypatch.setattr(FinetuneRunner, "_backward_graphs", lambda self, job: None)
+    eager, by_eager = _train(model_dir, adapter_dir, data, hp, str(tmp_path / "eager"))
+    assert by_pieces["eager"] == 0 and by_pieces["graphs"] > 0
+    assert by_eager["graphs"] == 0 and by_eager["eager"] == by_pieces["graphs"]
+    assert pieces.keys() == eager.keys()
+    for key in pieces:
+        scale = eager[key].abs().max().item()
+        assert (pieces[key] - eager[key]).abs().max().item() <= 1e-6 * scale, key
+
+
+def test_backward_buffers_pad_and_clear_the_tail():
+    from flexserve.worker.finetune.backward_graphs import BackwardBuffers, backward_buckets
+
+    assert backward_buckets(64) == (32, 64)
+    assert backward_buckets(100) == (32, 64, 100)
+    assert backward_buckets(10) == (10,)
+    assert backward_buckets(10_000)[-1] == 4096
+    b = BackwardBuffers(8, 3, torch.device("cpu"))
+    b.grad("q", 2)
+    b.load_window(base=10, start=4, n=5, bucket=8, residual=torch.ones(5, 3))
+    assert b.index.tolist() == [10, 11, 12, 13, 14, 14, 14, 14]  # padding repeats the last row
+    assert b.positions.tolist() == [4, 5, 6, 7, 8, 8, 8, 8]
+    b.load_gradient("q", torch.ones(5, 2, dtype=torch.bfloat16), 5)
+    b.load_window(base=0, start=0, n=3, bucket=4, residual=torch.full((3, 3), 2.0))
+    b.load_gradient("q", torch.full((3, 2), 2.0), 3)
+    # rows 3-4 held the longer window's values: zeroed, so padding rows read zero gradients
+    assert b.rows[:, 0].tolist() == [2, 2, 2, 0, 0, 0, 0, 0]
+    assert b.grad("q", 2)[:, 1].tolist() == [2, 2, 2, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="wide"):
+        b.grad("q", 3)

@@ -59,7 +59,9 @@ class ActivationArena:
         key = (layer, name)
         t = self._tensors.get(key)
         if t is None:
-            t = torch.empty((self.num_rows + 1, width), dtype=dtype, device=self.device)
+            # Zeros: every row holds finite values, so a captured backward's padding rows,
+            # which read some row and multiply it by a zero gradient, add exactly nothing.
+            t = torch.zeros((self.num_rows + 1, width), dtype=dtype, device=self.device)
             self._tensors[key] = t
         elif t.shape[1] != width or t.dtype != dtype:
             raise ValueError(f"arena tensor {key} is [{t.shape[1]}] {t.dtype}, asked for "
@@ -71,6 +73,10 @@ class ActivationArena:
         if self._ranges:
             raise RuntimeError(f"{len(self._ranges)} sequences still hold arena rows")
         self._tensors.clear()
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        """The whole [num_rows + 1, width] tensor of (layer, name) (KeyError when missing)."""
+        return self._tensors[(layer, name)]
 
     def has(self, layer: int, name: str) -> bool:
         return (layer, name) in self._tensors

@@ -47,7 +47,7 @@ fp32 Triton kernel 3.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ from flexserve.layers.lora_linear import LoRALinear
 from flexserve.layers.rotary import rotate
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.layer_graph import LayerGraph, Op
+from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.finetune.activation_store import (
     ActivationStore,
     apply_lora_dropout,
@@ -250,6 +251,9 @@ class SequenceBackward:
                 self._lora[(layer, target)] = (module, rank, pair[0], pair[1])
         self.layer = len(layers) - 1  # the layer the next backward window belongs to
         self.window_end = num_tokens  # where the next backward window ends
+        # Windows `graphs.runs` accepts go through `graphs.run` (`BackwardGraphs`: the layer's
+        # backward as captured pieces around an eager attention); the others run here.
+        self.graphs: Any = None
 
     @property
     def done(self) -> bool:
@@ -260,9 +264,10 @@ class SequenceBackward:
         decoder = self.model.model.layers[layer]
         return getattr(getattr(decoder, TARGET_MODULES[target]), target)
 
-    def backward_window(self, layer: int, start: int, end: int) -> None:
+    def backward_window(self, layer: int, start: int, end: int) -> bool:
         """Backward of positions [start, end) of `layer`. Layers from the top, windows from the
-        end of the sequence to its start; ValueError for any other order."""
+        end of the sequence to its start; ValueError for any other order. True when it ran as
+        `graphs`' pieces, False when eagerly."""
         if self.done:
             raise ValueError("the backward of this sequence is complete")
         if self.store.num_forward_tokens != self.num_tokens:
@@ -276,7 +281,11 @@ class SequenceBackward:
                              f"the next one ends at {self.window_end} and is not empty")
         self.store.prepare_layer(layer)  # offloaded rows come back (the next ones start to)
         with torch.no_grad():
-            self._run_window(_Window(self, layer, start, end))
+            pieces = self.graphs is not None and self.graphs.runs(self, layer, end - start)
+            if pieces:
+                self.graphs.run(self, layer, start, end)
+            else:
+                self._run_window(_Window(self, layer, start, end))
         self.window_end = start
         if start == 0:
             self.key_grad[:self.num_tokens].zero_()
@@ -284,6 +293,7 @@ class SequenceBackward:
             self.store.free_layer(layer)
             self.layer -= 1
             self.window_end = self.num_tokens
+        return pieces
 
     def cached_kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K (after rope) and V of positions [0, end) from the paged cache: [end, KV, D] each."""
@@ -295,9 +305,20 @@ class SequenceBackward:
 
     def _run_window(self, win: _Window) -> None:
         rows = self.residual_grad[win.start:win.end]
-        grads = WindowGradients(self._needed[win.layer > 0], use_triton(rows.device))
+        grads = self.window_gradients(win.layer, rows)
+        self.walk(win, grads, reversed(self.graph.ops), rows)
+        self.finish_window(grads, rows)
+
+    def window_gradients(self, layer: int, rows: torch.Tensor) -> WindowGradients:
+        """A window's gradients, starting from dL/d(the layer's output) = `rows`."""
+        grads = WindowGradients(self._needed[layer > 0], use_triton(rows.device))
         grads.values[self.graph.ops[-1].outputs[0]] = rows
-        for op in reversed(self.graph.ops):
+        return grads
+
+    def walk(self, win: _Window, grads: WindowGradients, ops: Iterable[Op],
+             rows: torch.Tensor) -> None:
+        """The backward of `ops` (a stretch of the layer's ops in reverse order)."""
+        for op in ops:
             grad = grads.values.get(op.outputs[0])
             if grad is not None:
                 self._op_backward(win, op, grad, grads, rows)
@@ -306,8 +327,32 @@ class SequenceBackward:
             for name in op.outputs:
                 grads.drop(name)
             win.release(self._dead_after[op.name], attention=op.kind == "attention")
+
+    def finish_window(self, grads: WindowGradients, rows: torch.Tensor) -> None:
+        """dL/dx of the window's rows into `rows` (for the layer below)."""
         if grads.needed["x"] and grads.values["x"] is not rows:
             rows.copy_(grads.values["x"])
+
+    def attention_gradients(self, layer: int, start: int, end: int, grad: torch.Tensor
+                            ) -> dict[str, torch.Tensor]:
+        """The attention op's backward of window [start, end) given dL/d(its output), eagerly:
+        its inputs' gradients by name (those needed), as `walk` would hand them on."""
+        op = self.attention_op
+        grads = WindowGradients(self._needed[layer > 0], use_triton(grad.device))
+        self._attention_backward(_Window(self, layer, start, end), op, grad, grads)
+        return {name: grads.values[name] for name in op.inputs if name in grads.values}
+
+    def needs_gradient(self, layer: int, name: str) -> bool:
+        """Whether a window of `layer` needs dL/d`name` (else its producer's backward is skipped)."""
+        return self._needed[layer > 0].get(name, False)
+
+    def dead_after(self, op: Op) -> tuple[str, ...]:
+        """The forward tensors a window may drop once `op`'s backward has run."""
+        return self._dead_after[op.name]
+
+    @property
+    def attention_op(self) -> Op:
+        return next(op for op in self.graph.ops if op.kind == "attention")
 
     def _op_backward(self, win: _Window, op: Op, grad: torch.Tensor, grads: WindowGradients,
                      rows: torch.Tensor) -> None:
@@ -450,18 +495,33 @@ class SequenceBackward:
                 grads.give(name, acc[win.start:win.end].view(n, -1))
 
 
-class _Window:
-    """One backward window's forward tensors, read from the store or rematerialized once."""
+class WindowUnsupported(RuntimeError):
+    """A gathered window (`_Window` with `rows`) needs what only an eager window has."""
 
-    def __init__(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
+
+class _Window:
+    """One backward window's forward tensors, read from the store or rematerialized once.
+
+    Gathered (`rows`, `positions` and `arena` given, for a captured graph): the window has
+    `end - start` rows whose stored tensors are rows `rows` of `arena`'s tensors and whose
+    rotary angles are those of `positions`, so one capture serves any window of its size. It
+    reads nothing from the KV cache: attention and what needs it raise `WindowUnsupported`.
+    """
+
+    def __init__(self, owner: SequenceBackward, layer: int, start: int, end: int,
+                 rows: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                 arena: ActivationArena | None = None) -> None:
         self.owner, self.layer, self.start, self.end = owner, layer, start, end
+        self.rows, self.arena = rows, arena
         # Windows this wide run the LoRA products as 16-bit GEMMs with fp32 outputs (see the
         # module docstring); narrower ones widen their operands, which was measured faster there.
         self.wide_lora_gemms = end - start >= WIDE_LORA_GEMM_ROWS
         self.lora_kernels = owner._lora_kernels and use_triton(owner.residual_grad.device)
         self.decoder = owner.model.model.layers[layer]
         self.dtype = owner.store.dtype
-        cos_sin = owner.model.model.rotary_emb.cos_sin_cache[start:end].unsqueeze(1)
+        cache = owner.model.model.rotary_emb.cos_sin_cache
+        cos_sin = (cache[start:end] if positions is None
+                   else cache.index_select(0, positions)).unsqueeze(1)
         self.cos, self.sin = cos_sin.chunk(2, dim=-1)  # fp32 [n, 1, head_dim / 2]
         self._acts: dict[str, torch.Tensor] = {}
         self._attention: tuple[torch.Tensor, ...] | None = None
@@ -473,6 +533,8 @@ class _Window:
         return self._acts[name]
 
     def dropout_mask(self, target: str) -> torch.Tensor:
+        if self.rows is not None:
+            raise WindowUnsupported("a gathered window has no dropout masks")
         return self.owner.store.dropout_mask(self.layer, target, self.start, self.end)
 
     def release(self, names: tuple[str, ...], attention: bool = False) -> None:
@@ -486,6 +548,8 @@ class _Window:
         """(out [1, H, n, D], q, k, v leaves) of the window's attention, recorded by autograd
         once and shared by a rematerialization of `attn` and the attention backward."""
         if self._attention is None:
+            if self.rows is not None:
+                raise WindowUnsupported("a gathered window has no attention")
             owner = self.owner
             n = self.end - self.start
             q = self.act("q").view(n, owner.num_heads, owner.head_dim)
@@ -503,7 +567,11 @@ class _Window:
     def _load(self, name: str) -> torch.Tensor:
         owner, store, layer = self.owner, self.owner.store, self.layer
         if name in store.stored_names[layer]:
+            if self.rows is not None:
+                return self.arena.get(layer, name).index_select(0, self.rows)
             return store.read(layer, name, self.start, self.end)
+        if name in store.kv_cache_names and self.rows is not None:
+            raise WindowUnsupported(f"a gathered window cannot read {name} from the KV cache")
         if name in store.kv_cache_names:  # "k" or "v_out"
             k_all, v_all = owner.cached_kv(layer, self.end)
             return (k_all if name == "k" else v_all)[self.start:].flatten(1)

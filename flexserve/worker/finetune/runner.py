@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,11 @@ from flexserve.worker.finetune.activation_store import (
     ActivationStore,
     FinetuneCapture,
     store_layout,
+)
+from flexserve.worker.finetune.backward_graphs import (
+    BackwardBuffers,
+    BackwardGraphs,
+    backward_buckets,
 )
 from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
@@ -131,6 +137,7 @@ class _Job:
             self.optimizer.load_checkpoint_state(*spec.resume_state)
         self.model = model
         self.sequences: dict[int, _Sequence] = {}
+        self.backward_graphs: BackwardGraphs | None = None  # set by the runner where they run
         self.write_slot()
 
     def write_slot(self) -> None:
@@ -178,6 +185,10 @@ class FinetuneRunner:
         self.jobs: dict[str, _Job] = {}
         self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
         self._faults: dict[str, str] = {}  # job id -> fault to inject into its next work
+        # Static buffers and graph memory of the jobs' captured backward windows (with an arena)
+        self._backward_buffers: BackwardBuffers | None = None
+        self.num_backward_windows = {"graphs": 0, "eager": 0}  # by how they ran (tests, metrics)
+        self._backward_pool: Any = None
 
     def inject_fault(self, job_id: str, kind: str) -> None:
         """Poison the job's next piece of work, to test that a failure stays with the job:
@@ -218,7 +229,34 @@ class FinetuneRunner:
         self.jobs[spec.job_id] = job
         if self.arena is not None and not job.layer_plans.offload_layers:
             self.arena.reserve(store_layout(job.graph, job.layer_plans.plans, self.dtype))
+            if self.job_graph_kept(spec.job_id) is not None:
+                job.backward_graphs = self._backward_graphs(job)
         return job.plan
+
+    def _backward_graphs(self, job: _Job) -> BackwardGraphs:
+        """The job's backward windows as pieces around attention (`BackwardGraphs`), captured
+        now on CUDA rather than in its first iterations."""
+        if self._backward_buffers is None:
+            max_rows = backward_buckets(self.max_finetune_len or job.layer_plans.max_num_tokens)[-1]
+            self._backward_buffers = BackwardBuffers(max_rows, self.hf_config.hidden_size,
+                                                     self.device)
+            if self.device.type == "cuda":
+                self._backward_pool = torch.cuda.graph_pool_handle()
+        num_layers = len(self.model.model.layers)
+        template_store = ActivationStore(job.graph, job.layer_plans.plans, num_layers, 1,
+                                         self.dtype, self.device)
+        template = SequenceBackward(self.model, template_store, 1, [0], self.block_size,
+                                    job.spec.lora_slot, job.optimizer.grads)
+        graphs = BackwardGraphs(template, self.arena, self._backward_buffers,
+                                self._backward_pool)
+        t0 = time.perf_counter()
+        count = graphs.prepare()
+        if count:
+            logger.info("fine-tuning job %s: %d backward-window graphs (%d row buckets up to "
+                        "%d rows, two pieces per layer around attention) captured in %.1f s",
+                        job.spec.job_id, count, len(graphs.buckets), graphs.buckets[-1],
+                        time.perf_counter() - t0)
+        return graphs
 
     def end_job(self, job_id: str) -> None:
         job = self.jobs.get(job_id)
@@ -231,8 +269,11 @@ class FinetuneRunner:
         job = self.jobs.pop(job_id, None)
         if job is not None:
             _drop_sequences(job)
+            job.backward_graphs = None  # its graphs go with it
             self.lora_manager.clear_slot(job.spec.lora_slot)
             self._count_bytes()
+        if not self.jobs:  # the static buffers and graph memory go back too
+            self._backward_buffers, self._backward_pool = None, None
 
     def save_adapter(self, job_id: str, path: str, base_model_name_or_path: str | None) -> None:
         save_peft_adapter(self._job(job_id).adapter(), path, base_model_name_or_path)
@@ -302,6 +343,7 @@ class FinetuneRunner:
                 backward = SequenceBackward(self.model, store, n, start.block_ids,
                                             self.block_size, job.spec.lora_slot,
                                             job.optimizer.grads)
+                backward.graphs = job.backward_graphs
                 job.sequences[start.sequence_id] = _Sequence(start, store, backward)
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 if store is not None:
@@ -415,7 +457,8 @@ class FinetuneRunner:
             try:
                 if self._take_fault(window.job_id, ("oom",)):
                     raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
-                seq.backward.backward_window(window.layer, window.start, window.end)
+                graphed = seq.backward.backward_window(window.layer, window.start, window.end)
+                self.num_backward_windows["graphs" if graphed else "eager"] += 1
                 if self._take_fault(window.job_id, ("nan_grad",)):
                     for grad in self.jobs[window.job_id].optimizer.grads.values():
                         grad.fill_(float("nan"))

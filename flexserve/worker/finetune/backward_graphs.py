@@ -1,0 +1,272 @@
+"""Layer-wise backward windows as CUDA graphs, split at attention (FlexLLM appendix D's static
+reservation; the piecewise split vLLM uses for mixed batches).
+
+One backward window runs one layer's ~20 ops of a few kernels each. Launched one by one from
+Python they cost milliseconds of host time whatever the window's length, most of a window's cost
+at co-serving sizes. Here a job's layer backward is captured per (layer, row bucket) as two graphs
+around the attention op, which runs eagerly between them because its keys [0, end) move with the
+window:
+
+- the top piece: the backward of the ops after attention (the MLP, both residual adds, o_proj),
+  from dL/d(layer output) to dL/d(attention output), which it copies into a static buffer;
+- attention, eager (`SequenceBackward.attention_gradients`): the window's attention over keys
+  [0, end) recomputed from the paged KV cache under autograd, its dK, dV summed into the
+  sequence's KV-gradient accumulators; dQ and the window's rows of dK, dV go into static buffers;
+- the bottom piece: rope, the q/k/v projections and the input norm, to dL/dx, which it leaves in
+  the static residual rows; they are copied back into the sequence's residual-gradient buffer.
+
+The pieces run `SequenceBackward.walk` on a gathered `_Window`: its stored tensors are rows of the
+activation arena picked by a static index, its rotary angles those of static positions. Static
+buffers (`BackwardBuffers`) are shared by every job, as windows run one at a time. A window of n
+rows replays the smallest bucket N >= n: rows [n, N) of the inputs are zero and their index and
+position repeat row n - 1, so they add exactly nothing (zero gradients times finite activations:
+the arena starts zeroed) to the LoRA gradients, and their outputs are not copied back. The job's
+gradient buffers, LoRA weights and scaling are read and written in place. On CPU (tests) the
+same padded pieces run eagerly.
+
+A layer whose pieces need what a gathered window cannot give (a tensor the plan leaves in the KV
+cache or recomputes from attention, LoRA dropout masks) runs eagerly, as do windows longer than
+the largest bucket and sequences whose activations are not in the arena.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flexserve.worker.finetune.activation_arena import ActivationArena
+from flexserve.worker.finetune.layer_backward import (
+    SequenceBackward,
+    WindowUnsupported,
+    _Window,
+)
+
+logger = logging.getLogger(__name__)
+
+# Row buckets of captured windows. Windows up to 4096 rows are host-bound enough to gain (a
+# backward window's fixed cost is of the order of a 4096-row window's GEMMs); longer ones run
+# eagerly. The graphs' private memory is the largest bucket's working set, shared by all.
+BACKWARD_GRAPH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def backward_buckets(max_rows: int) -> tuple[int, ...]:
+    """The buckets for windows of at most `max_rows` rows: the standard ones below it, then
+    `max_rows` itself (capped at the largest standard bucket)."""
+    top = min(max_rows, BACKWARD_GRAPH_BUCKETS[-1])
+    return tuple(b for b in BACKWARD_GRAPH_BUCKETS if b < top) + (top,)
+
+
+class BackwardBuffers:
+    """The static inputs and outputs of captured backward pieces, for windows of up to
+    `max_rows` rows: residual rows (fp32 [rows, hidden]: dL/d output in, dL/dx out), the
+    attention output's and inputs' gradients (fp32, by tensor name), the gather index and
+    positions of the window's rows."""
+
+    def __init__(self, max_rows: int, hidden_size: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.rows = torch.zeros(max_rows, hidden_size, device=device)
+        self.index = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._arange = torch.arange(max_rows, device=device)
+        self._grads: dict[str, torch.Tensor] = {}
+        # rows of each buffer that may hold a window's values past the next window's own rows
+        self._dirty: dict[str, int] = {}
+
+    def grad(self, name: str, width: int) -> torch.Tensor:
+        """The static fp32 [max_rows, width] gradient buffer of tensor `name`."""
+        t = self._grads.get(name)
+        if t is None:
+            t = torch.zeros(self.max_rows, width, device=self.device)
+            self._grads[name] = t
+        elif t.shape[1] != width:
+            raise ValueError(f"static gradient {name!r} is [{t.shape[1]}] wide, not [{width}]")
+        return t
+
+    def load_window(self, base: int, start: int, n: int, bucket: int,
+                    residual: torch.Tensor) -> None:
+        """Inputs of a window of `n` rows at arena row `base` and position `start`, padded to
+        `bucket` rows."""
+        last = self._arange[:bucket].clamp(max=n - 1)
+        torch.add(last, base, out=self.index[:bucket])
+        torch.add(last, start, out=self.positions[:bucket])
+        self.rows[:n].copy_(residual)
+        self._zero_tail("rows", self.rows, n)
+
+    def load_gradient(self, name: str, value: torch.Tensor, n: int) -> None:
+        """Rows [0, n) of static gradient `name` from `value` (widened to fp32, exactly)."""
+        t = self._grads[name]
+        t[:n].copy_(value)
+        self._zero_tail(name, t, n)
+
+    def clear(self) -> None:
+        """Zero every buffer (before an eager warm-up that must add nothing)."""
+        for t in (self.rows, self.index, self.positions, *self._grads.values()):
+            t.zero_()
+        self._dirty.clear()
+
+    def _zero_tail(self, name: str, t: torch.Tensor, n: int) -> None:
+        # Rows [n, dirty) hold an earlier, longer window's values; rows a window padded stay
+        # zero (the pieces turn zero gradients into zero gradients).
+        dirty = self._dirty.get(name, 0)
+        if dirty > n:
+            t[n:dirty].zero_()
+        self._dirty[name] = n
+
+
+@dataclass(slots=True)
+class _Graphs:
+    top: torch.cuda.CUDAGraph
+    bottom: torch.cuda.CUDAGraph | None  # None: nothing below attention has a gradient
+
+
+class BackwardGraphs:
+    """One job's layer backward as captured pieces, per (layer, bucket).
+
+    `template` is a `SequenceBackward` of the job (any sequence's: the pieces read only what all
+    of the job's sequences share: its plan, LoRA slot, gradient buffers and the model). On CUDA
+    `capture` records the graphs (call it between iterations); elsewhere `run` executes the same
+    padded pieces eagerly."""
+
+    def __init__(self, template: SequenceBackward, arena: ActivationArena,
+                 buffers: BackwardBuffers, pool: Any = None,
+                 use_graphs: bool | None = None) -> None:
+        self.template = template
+        self.arena = arena
+        self.buffers = buffers
+        self.pool = pool  # CUDA graph memory pool (shared by the runner's backward graphs)
+        self.buckets = backward_buckets(buffers.max_rows)
+        # CUDA graphs on CUDA (False there runs the padded pieces eagerly, for tests)
+        self.use_graphs = buffers.device.type == "cuda" if use_graphs is None else use_graphs
+        graph = template.graph
+        self._attention = template.attention_op
+        ops = list(reversed(graph.ops))
+        cut = ops.index(self._attention)
+        self._top_ops, self._bottom_ops = ops[:cut], ops[cut + 1:]
+        self._widths = {name: graph.tensors[name].width
+                        for name in (self._attention.outputs[0], *self._attention.inputs)}
+        self._graphs: dict[tuple[int, int], _Graphs] = {}
+        self._eager_layers: set[int] = set()  # layers whose pieces cannot run gathered
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def runs(self, owner: SequenceBackward, layer: int, n: int) -> bool:
+        """Whether `run` takes this window: its rows are in the arena, it fits a bucket, its
+        layer runs gathered (and, on CUDA, was captured)."""
+        bucket = self.bucket(n)
+        if (bucket is None or layer in self._eager_layers or owner.store.arena is not self.arena
+                or owner.store.stored_names != self.template.store.stored_names):
+            return False
+        return not self.use_graphs or (layer, bucket) in self._graphs
+
+    def prepare(self) -> int:
+        """Find the layers whose pieces run gathered and, on CUDA, capture every (layer,
+        bucket), largest buckets first (their private memory is then reused by the smaller
+        ones); returns the number of graphs. Each capture follows an eager warm-up with zeroed
+        inputs, which adds exactly zero to the job's gradients. Call between iterations."""
+        count = 0
+        buckets = reversed(self.buckets) if self.use_graphs else self.buckets[:1]
+        for bucket in buckets:
+            for layer in range(self.template.store.num_layers):
+                if layer in self._eager_layers:
+                    continue
+                try:
+                    self.buffers.clear()
+                    self._pieces(layer, bucket, eager=True)
+                except WindowUnsupported as e:
+                    logger.info("backward windows of layer %d run eagerly: %s", layer, e)
+                    self._eager_layers.add(layer)
+                    continue
+                if not self.use_graphs:
+                    continue
+                top = torch.cuda.CUDAGraph()
+                bottom = torch.cuda.CUDAGraph() if self._has_bottom(layer) else None
+                self._pieces(layer, bucket, eager=False, graphs=(top, bottom))
+                self._graphs[(layer, bucket)] = _Graphs(top, bottom)
+                count += 1 + (bottom is not None)
+        self.buffers.clear()
+        return count
+
+    def run(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
+        """Backward window [start, end) of `layer` of `owner`'s sequence (`runs` said yes)."""
+        n, bucket, b = end - start, self.bucket(end - start), self.buffers
+        b.load_window(owner.store.arena_base + start, start, n, bucket,
+                      owner.residual_grad[start:end])
+        if self.use_graphs:
+            graphs = self._graphs[(layer, bucket)]
+            graphs.top.replay()
+            self._attend(owner, layer, start, end)
+            if graphs.bottom is not None:
+                graphs.bottom.replay()
+        else:
+            self._pieces(layer, bucket, eager=True,
+                         between=lambda: self._attend(owner, layer, start, end))
+        owner.residual_grad[start:end].copy_(b.rows[:n])
+
+    def _has_bottom(self, layer: int) -> bool:
+        """Whether the bottom piece does anything: attention's output or the layer's input
+        needs a gradient (else, in a bottom layer that trains only its MLP, it is empty)."""
+        return any(self.template.needs_gradient(layer, name)
+                   for name in (self._attention.outputs[0], "x"))
+
+    def _attend(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
+        b, n = self.buffers, end - start
+        out = self._attention.outputs[0]
+        if not owner.needs_gradient(layer, out):
+            return  # nothing below attention trains in this layer: its backward is skipped
+        grad = b.grad(out, self._widths[out])[:n]
+        for name, value in owner.attention_gradients(layer, start, end, grad).items():
+            b.load_gradient(name, value, n)
+
+    def _pieces(self, layer: int, bucket: int, eager: bool,
+                graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None,
+                between: Any = None) -> None:
+        """The two pieces of (layer, bucket): run (`eager`) or captured into `graphs`;
+        `between` runs between them (the eager attention)."""
+        template, b = self.template, self.buffers
+        rows = b.rows[:bucket]
+        out = self._attention.outputs[0]
+        attn_grad = b.grad(out, self._widths[out])[:bucket]
+        statics = {name: b.grad(name, self._widths[name])[:bucket]
+                   for name in self._attention.inputs}
+        # Everything the graphs read is made inside them (the window's rotary angles and
+        # gathered rows) or is static: a tensor made outside a capture and dropped after it
+        # would be memory the graph reads but nobody owns.
+        state: dict[str, Any] = {}
+        with torch.no_grad():
+            def top() -> None:
+                win = _Window(template, layer, 0, bucket, rows=b.index[:bucket],
+                              positions=b.positions[:bucket], arena=self.arena)
+                grads = template.window_gradients(layer, rows)
+                state.update(win=win, grads=grads)
+                template.walk(win, grads, self._top_ops, rows)
+                grad = grads.values.get(out)
+                if grad is None:
+                    attn_grad.zero_()
+                else:
+                    attn_grad.copy_(grad)
+
+            def bottom() -> None:
+                win, grads = state["win"], state["grads"]
+                grads.drop(out)
+                win.release(template.dead_after(self._attention), attention=True)
+                for name, static in statics.items():
+                    grads.give(name, static)
+                template.walk(win, grads, self._bottom_ops, rows)
+                template.finish_window(grads, rows)
+
+            if eager:
+                top()
+                if between is not None:
+                    between()
+                bottom()
+                return
+            with torch.cuda.graph(graphs[0], pool=self.pool):
+                top()
+            if graphs[1] is not None:
+                with torch.cuda.graph(graphs[1], pool=self.pool):
+                    bottom()
