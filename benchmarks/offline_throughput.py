@@ -3,9 +3,10 @@ against the physical floors measured in the same run.
 
 Fixed-length random prompts, greedy, EOS ignored, so both backends produce exactly
 batch x output_len tokens. Backends: `flexserve` (the defaults: CUDA graphs for decode, LoRA
-slots reserved), `flexserve-eager` (--enforce-eager), `flexserve-no-lora` (--no-enable-lora), `hf`. Also times one prefill of --prefill-len tokens. Floors: a decode step must
-read every weight it uses (all parameters but the embedding table) and each row's K/V once, at the
-measured copy bandwidth; a prefill must do 2 x params x tokens + causal attention FLOPs at the
+slots reserved), `flexserve-eager` (--enforce-eager), `flexserve-no-lora` (--no-enable-lora),
+`hf`. Also times one prefill of --prefill-len tokens. Floors: a decode step must read every
+weight it uses (all parameters but the embedding table) and each row's K/V once, at the measured
+copy bandwidth; a prefill must do 2 x params x tokens + causal attention FLOPs at the
 measured matmul peak. Prints one JSON line per measurement and a table at the end.
 
     python benchmarks/offline_throughput.py --model llama-3.1-8b --load-format dummy \
