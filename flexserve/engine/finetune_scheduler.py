@@ -27,11 +27,16 @@ plan carries the job's optimizer step, and the job places nothing more until tha
 is folded in (its next forward must see the updated adapter). Sequence ids are positions in the
 job's training order (step by step), so packing, resuming and dropout seeds agree on them.
 Pure Python: the worker owns every tensor (activations, gradients, optimizer state).
+
+Divergence: the worker fails a job whose loss or gradient norm is not finite; the scheduler fails
+one that has collapsed to a uniform prediction (`collapsed_reason`), whose finite loss would
+otherwise let it "succeed" with an adapter that learned nothing.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +44,12 @@ from typing import Protocol
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
 from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
 from flexserve.finetune.steps import pack_sequences
+
+# A job fails as diverged once this many consecutive steps had a zero gradient at the loss of a
+# uniform prediction (`collapsed_reason`).
+COLLAPSED_STEPS = 3
+_ZERO_GRAD_NORM = 1e-12
+_UNIFORM_LOSS_RTOL = 1e-3
 
 
 class FinetuneJobStatus(enum.Enum):
@@ -209,13 +220,33 @@ class FinetuneJobState:
         return self.data_sha256
 
 
+def collapsed_reason(losses: list[float], grad_norms: list[float],
+                     vocab_size: int | None) -> str | None:
+    """Why a job whose loss is finite has nonetheless diverged, or None: its last
+    `COLLAPSED_STEPS` steps had a zero gradient norm at a loss of ln(vocab_size), the loss of a
+    uniform prediction. The model has saturated (a learning rate far too high): every further
+    step changes nothing, so the job would "succeed" with a useless adapter."""
+    if vocab_size is None or len(grad_norms) < COLLAPSED_STEPS:
+        return None
+    uniform = math.log(vocab_size)
+    recent = zip(losses[-COLLAPSED_STEPS:], grad_norms[-COLLAPSED_STEPS:])
+    if all(norm <= _ZERO_GRAD_NORM and abs(loss - uniform) <= _UNIFORM_LOSS_RTOL * uniform
+           for loss, norm in recent):
+        return (f"the gradient norm has been 0 for {COLLAPSED_STEPS} steps at a training loss of "
+                f"{losses[-1]:.4f} = ln(vocabulary size): the model predicts a uniform "
+                "distribution and learns nothing (it diverged); retry with a lower learning rate")
+    return None
+
+
 class FinetuneScheduler:
     """Places fine-tuning windows into plans; owns the engine-side state of every job."""
 
-    def __init__(self, kv_cache_manager, num_layers: int, max_finetune_len: int) -> None:
+    def __init__(self, kv_cache_manager, num_layers: int, max_finetune_len: int,
+                 vocab_size: int | None = None) -> None:
         self.kv = kv_cache_manager
         self.num_layers = num_layers
         self.max_finetune_len = max_finetune_len
+        self.vocab_size = vocab_size  # for `collapsed_reason`; None: not checked
         self.jobs: dict[str, FinetuneJobState] = {}  # every job not yet removed, in start order
         self.default_picker = FirstStartedPicker()
         self._updates: list[FinetuneUpdate] = []
@@ -411,7 +442,11 @@ class FinetuneScheduler:
             self._updates.append(FinetuneUpdate(
                 job_id, "step", job.step_index, job.num_steps, job.losses[-1],
                 job.grad_norms[-1], job.num_forward_tokens, job.events[-1], accuracy))
-            if job.step_index == job.num_steps:
+            collapsed = collapsed_reason(job.losses, job.grad_norms, self.vocab_size)
+            if collapsed is not None:
+                self.end_job(job_id, FinetuneJobStatus.FAILED, collapsed)
+                job.events.append(f"The job failed: {collapsed}")
+            elif job.step_index == job.num_steps:
                 job.status = FinetuneJobStatus.SUCCEEDED
                 job.events.append("The job has successfully completed.")
                 self._updates.append(self._update(job, "succeeded", job.events[-1]))
