@@ -27,7 +27,7 @@ from flexserve.config import (
     LoRAConfig,
     ModelConfig,
 )
-from flexserve.engine.finetune_scheduler import COLLAPSED_STEPS, collapsed_reason
+from flexserve.engine.divergence import COLLAPSED_STEPS, collapsed_reason
 from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
 from flexserve.entrypoints.openai.auth import APIKeyTable
@@ -430,3 +430,21 @@ def test_a_collapsed_job_is_diverged():
     assert collapsed_reason([uniform] * 2, [0.0] * 2, vocab) is None
     assert collapsed_reason([uniform] * 3, [0.0, 1e-3, 0.0], vocab) is None
     assert collapsed_reason([uniform - 0.5] * 3, [0.0] * 3, vocab) is None
+
+
+def test_a_job_at_a_huge_learning_rate_fails_instead_of_succeeding(server):
+    file_id = httpx.post(server["url"] + "/v1/files", headers=auth(BOB),
+                         files={"file": ("d.jsonl", b'{"text": "the quick brown fox jumps"}\n')},
+                         data={"purpose": "fine-tune"}).json()["id"]
+    job = post(server, BOB, "/v1/fine_tuning/jobs", {
+        "model": MODEL, "training_file": file_id, "lora": LORA, "seed": 3,
+        "hyperparameters": {"learning_rate": 1e30, "n_epochs": 8, "batch_size": 1}}).json()
+    url = f"{server['url']}/v1/fine_tuning/jobs/{job['id']}"
+    wait_until(lambda: httpx.get(url, headers=auth(BOB)).json()["status"] in (
+        "succeeded", "failed", "cancelled"), timeout=120, what="the job ended")
+    done = httpx.get(url, headers=auth(BOB)).json()
+    assert done["status"] == "failed", done
+    assert done["error"]["code"] == "training_failed"
+    # a finite loss of ln(320) with a zero gradient: the collapse, not a NaN
+    assert "uniform distribution" in done["error"]["message"], done["error"]
+    assert f"{math.log(320):.4f}" in done["error"]["message"]

@@ -36,20 +36,14 @@ otherwise let it "succeed" with an adapter that learned nothing.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from flexserve.engine.divergence import collapsed_reason
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
 from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
 from flexserve.finetune.steps import pack_sequences
-
-# A job fails as diverged once this many consecutive steps had a zero gradient at the loss of a
-# uniform prediction (`collapsed_reason`).
-COLLAPSED_STEPS = 3
-_ZERO_GRAD_NORM = 1e-12
-_UNIFORM_LOSS_RTOL = 1e-3
 
 
 class FinetuneJobStatus(enum.Enum):
@@ -218,24 +212,6 @@ class FinetuneJobState:
             self.data_sha256 = data_fingerprint(
                 [(s.token_ids, s.loss_mask) for s in self.sequences], self.steps)
         return self.data_sha256
-
-
-def collapsed_reason(losses: list[float], grad_norms: list[float],
-                     vocab_size: int | None) -> str | None:
-    """Why a job whose loss is finite has nonetheless diverged, or None: its last
-    `COLLAPSED_STEPS` steps had a zero gradient norm at a loss of ln(vocab_size), the loss of a
-    uniform prediction. The model has saturated (a learning rate far too high): every further
-    step changes nothing, so the job would "succeed" with a useless adapter."""
-    if vocab_size is None or len(grad_norms) < COLLAPSED_STEPS:
-        return None
-    uniform = math.log(vocab_size)
-    recent = zip(losses[-COLLAPSED_STEPS:], grad_norms[-COLLAPSED_STEPS:])
-    if all(norm <= _ZERO_GRAD_NORM and abs(loss - uniform) <= _UNIFORM_LOSS_RTOL * uniform
-           for loss, norm in recent):
-        return (f"the gradient norm has been 0 for {COLLAPSED_STEPS} steps at a training loss of "
-                f"{losses[-1]:.4f} = ln(vocabulary size): the model predicts a uniform "
-                "distribution and learns nothing (it diverged); retry with a lower learning rate")
-    return None
 
 
 class FinetuneScheduler:
