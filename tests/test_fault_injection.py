@@ -302,6 +302,10 @@ def test_openapi_states_the_sampling_ranges(server):
     assert fields["repetition_penalty"]["exclusiveMinimum"] == 0
     assert fields["max_tokens"]["minimum"] == 1
     assert fields["n"]["anyOf"][0]["maximum"] == 128
+    # every integer states the 64-bit range the server accepts
+    assert fields["top_k"]["anyOf"][0]["maximum"] == 2**63 - 1
+    token_ids = fields["prompt"]["anyOf"][2]["items"]
+    assert (token_ids["minimum"], token_ids["maximum"]) == (-(2**63), 2**63 - 1)
 
 
 # --------------------------------------------------------------------- admission by cost

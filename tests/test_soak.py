@@ -95,6 +95,9 @@ def test_1000_random_aborts_beside_two_jobs_leave_nothing_behind(soak, tiny_conf
         # the engine's own books: every block free, nothing queued, no slot held by a job
         assert scheduler.kv_cache_manager.num_free_blocks == free_blocks
         assert not scheduler.requests and not scheduler.finetune.jobs
+        adapters = scheduler.adapter_manager
+        adapters.check_invariants()
+        assert not any(adapters.num_running_by_name().values())  # no slot pinned
         assert app.state.admission.num_in_flight == 0
         assert app.state.admission.num_sequences_in_flight == 0
     finally:

@@ -182,7 +182,8 @@ def build_app(
     state.served_model_name = model_name
     state.metrics = metrics
     state.created = now_s()
-    model_access = ModelAccess(service, multi_tenant=keys is not None and bool(keys.tenants))
+    model_access = ModelAccess(service, multi_tenant=keys is not None and bool(keys.tenants),
+                               keys_required=keys is not None)
     state.model_access = model_access
     offload = Offload()
     state.offload = offload

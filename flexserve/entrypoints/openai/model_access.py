@@ -12,8 +12,8 @@
   are the service's: a tenant loads under such a name only its own job's models.
 
 Without API keys, or when no key has a tenant, the server has one tenant: every caller may do
-everything, as before tenancy. `/v1/models` shows adapters' server paths (`root`) only to admin
-keys and on such single-tenant servers.
+everything, as before tenancy. With API keys, `/v1/models` shows server paths (`root`) to admin
+keys only; without keys (an open server) to everyone.
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ def check_name(value: str, param: str, what: str = "name") -> None:
 class ModelAccess:
     """The owners of the adapters loaded through the API, and the access rules above."""
 
-    def __init__(self, service: FinetuneService | None, multi_tenant: bool) -> None:
+    def __init__(self, service: FinetuneService | None, multi_tenant: bool,
+                 keys_required: bool) -> None:
         self.service = service
         self.multi_tenant = multi_tenant  # some API key carries a tenant
+        self.keys_required = keys_required  # API keys guard the server: paths for admins only
         self._owners: dict[str, str] = {}  # adapter name -> tenant that loaded it via the API
 
     def owner_of(self, name: str) -> str | None:
@@ -82,7 +84,7 @@ class ModelAccess:
 
     def shows_paths(self, request: Any) -> bool:
         """Whether `/v1/models` may show the caller server paths."""
-        return is_admin(request) or not self.multi_tenant
+        return is_admin(request) or not self.keys_required
 
     def check_load(self, name: str, path: str, request: Any) -> None:
         """404 (as for an unknown name or path) when the caller may not load `path` as `name`."""
