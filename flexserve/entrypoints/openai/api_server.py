@@ -46,7 +46,7 @@ from flexserve.entrypoints.openai.model_access import (
     adapter_not_found,
     check_name,
 )
-from flexserve.entrypoints.openai.offload import Offload
+from flexserve.entrypoints.openai.offload import DEFAULT_MAX_PENDING, Offload
 from flexserve.entrypoints.openai.openapi import build_openapi
 from flexserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -68,6 +68,7 @@ from flexserve.metrics import PrometheusStatLogger
 from flexserve.metrics.finetune_metrics import FinetuneMetrics
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
+UNBOUNDED_PREPARATION_QUEUE = 4096  # the preparation queue of a server without a request limit
 # nginx's code for "client closed the request": logged, never seen by the (gone) client.
 _CLIENT_CLOSED_REQUEST = 499
 # Room for the multipart framing (boundaries, part headers, `purpose`) around an upload of
@@ -185,7 +186,11 @@ def build_app(
     model_access = ModelAccess(service, multi_tenant=keys is not None and bool(keys.tenants),
                                keys_required=keys is not None)
     state.model_access = model_access
-    offload = Offload()
+    # The preparation queue holds every generation request admission lets in (it bounds them),
+    # plus room for uploads and job creations.
+    max_admitted = admission.limits.max_num_requests
+    offload = Offload(max_pending=(UNBOUNDED_PREPARATION_QUEUE if max_admitted is None
+                                   else max_admitted + DEFAULT_MAX_PENDING))
     state.offload = offload
     state.completions = OpenAIServingCompletion(engine, [model_name], model_access.may_use,
                                                 offload)
