@@ -57,10 +57,6 @@ class ModelAccess:
         self.keys_required = keys_required  # API keys guard the server: paths for admins only
         self._owners: dict[str, str] = {}  # adapter name -> tenant that loaded it via the API
 
-    def owner_of(self, name: str) -> str | None:
-        """The tenant an adapter loaded through the API belongs to (None: shared or unknown)."""
-        return self._owners.get(name)
-
     def is_shared(self, name: str) -> bool:
         """Whether `name` is a shared adapter (neither a tenant's nor a job's)."""
         return name not in self._owners and not (
@@ -87,7 +83,8 @@ class ModelAccess:
         return is_admin(request) or not self.keys_required
 
     def check_load(self, name: str, path: str, request: Any) -> None:
-        """404 (as for an unknown name or path) when the caller may not load `path` as `name`."""
+        """404 (as for an unknown name or path) when the caller may not load `path` as `name`;
+        400 for a name of the `ft:` pattern that is no job's model."""
         if is_admin(request):
             return
         tenant = owner_tenant(request)
