@@ -2,7 +2,9 @@
 
 Traffic, all at once: streaming and plain completions and chat completions (some on a LoRA
 adapter that another task loads and unloads in a loop), random client aborts mid-stream and
-mid-request, a fine-tuning job, then a burst over the admission limit. Invariants checked after:
+mid-request, `--num-jobs` fine-tuning jobs kept running side by side (a new one starts as one
+ends) for as long as the traffic lasts (`--rounds`, or `--duration-s`), then a burst over the
+admission limit. Invariants checked after:
 
 - every accepted request was answered (200 to its end, or a 4xx for an adapter unloaded under
   it) or aborted by the client: no 5xx, no broken stream, no request stuck past its timeout;
@@ -10,7 +12,8 @@ mid-request, a fine-tuning job, then a burst over the admission limit. Invariant
   each 429 came while the client had at least `max_num_seqs + max_queue_len` others in flight;
   each 429 carries Retry-After;
 - nothing stuck once the load stops: no request running or waiting, every KV block free, no
-  request counted in flight (`/metrics`, `/health`), the fine-tuning job succeeded;
+  request counted in flight (`/metrics`, `/health`), no request holding a LoRA adapter, every
+  fine-tuning job succeeded (and so gave its LoRA slot back);
 - memory flat: the server's RSS after the last round is within `--max-rss-growth-mib` of its
   RSS after the first (warm-up) round.
 
@@ -18,6 +21,8 @@ Loopback only. Every loop is bounded in count and time and stops by itself.
 
     .venv/bin/python benchmarks/soak.py                      # starts its own server (SmolLM2)
     .venv/bin/python benchmarks/soak.py --rounds 20 --workers 6
+    .venv/bin/python benchmarks/soak.py --duration-s 300 --num-jobs 2 --job-epochs 50 \
+        --max-num-seqs 32 --max-queue-len 32 --requests-per-round 200   # the GPU soak
     .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid 1234 --model DIR
 """
 
@@ -60,12 +65,16 @@ class SoakConfig:
     requests_per_round: int = 24  # mixed requests per round, over all workers
     workers: int = 0  # concurrent mixed clients; 0: a third of the limit (stays under it)
     abort_probability: float = 0.3  # a mixed request is aborted by the client this often
+    stream_probability: float = 0.5  # a mixed request streams this often (else plain)
     max_tokens: int = 12  # per request
     burst_factor: int = 2  # the burst offers this many times the limit at once
     request_timeout_s: float = 120.0  # a request not done by then counts as stuck
     settle_timeout_s: float = 120.0  # after the load: time for jobs and requests to end
     max_rss_growth_mib: float = 64.0  # allowed RSS growth from the first round to the last
-    finetune: bool = True  # run a fine-tuning job alongside
+    finetune: bool = True  # run fine-tuning jobs alongside
+    num_jobs: int = 1  # fine-tuning jobs kept running at once while the traffic lasts
+    job_epochs: int = 2  # epochs of each job over the two-fact file
+    duration_s: float = 0.0  # > 0: mixed rounds until this many seconds passed (else `rounds`)
     adapter_dir: str | None = None  # a PEFT adapter to load/unload in a loop; None: no adapter
     seed: int = 0
 
@@ -94,7 +103,8 @@ class SoakReport:
     outcomes: dict[str, list[Outcome]] = field(default_factory=dict)  # phase -> requests
     rss_mib: list[float] = field(default_factory=list)  # server RSS after each round
     num_adapter_cycles: int = 0  # load + unload pairs done
-    job_status: str | None = None
+    job_status: str | None = None  # "succeeded" when every job did, else the first other status
+    job_statuses: list[str] = field(default_factory=list)  # final status of every job run
     final_metrics: dict[str, float] = field(default_factory=dict)
     final_health: dict = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
@@ -106,7 +116,7 @@ class SoakReport:
         lines = [f"{phase}: {dict(self.counts(phase))}" for phase in self.outcomes]
         lines.append(f"RSS MiB per round: {[round(r, 1) for r in self.rss_mib]}")
         lines.append(f"adapter load/unload cycles: {self.num_adapter_cycles}; "
-                     f"fine-tuning job: {self.job_status}")
+                     f"fine-tuning jobs: {dict(Counter(self.job_statuses))}")
         lines.append("violations: " + ("none" if not self.violations
                                        else "\n  " + "\n  ".join(self.violations)))
         return "\n".join(lines)
@@ -138,7 +148,7 @@ class _InFlight:
 # --------------------------------------------------------------------------------- requests
 async def _request(client: httpx.AsyncClient, rng: random.Random, config: SoakConfig,
                    in_flight: _InFlight, abort: bool, lora: bool) -> Outcome:
-    stream = rng.random() < 0.5
+    stream = rng.random() < config.stream_probability
     chat = rng.random() < 0.5
     model = ADAPTER if lora else MODEL
     prompt = rng.choice(PROMPTS)
@@ -184,7 +194,9 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict, outcome: Out
         outcome.result, outcome.detail = "error", "the stream ended without [DONE]"
         return
     last = json.loads(events[-2]) if len(events) > 1 else {}
-    if "error" in last:
+    if "error" in last and outcome.lora and last["error"].get("code") == "model_not_found":
+        outcome.result = "answered"  # the adapter was unloaded under it: a proper answer
+    elif "error" in last:
         outcome.result, outcome.detail = "error", f"in-band error: {last['error']}"
     elif not any(c.get("finish_reason") for e in events[:-1] for c in json.loads(e)["choices"]):
         outcome.result, outcome.detail = "error", "no finish_reason in the stream"
@@ -278,17 +290,45 @@ async def _adapter_cycles(client: httpx.AsyncClient, config: SoakConfig, stop: a
             await asyncio.wait_for(stop.wait(), 0.2)
 
 
-async def _start_job(client: httpx.AsyncClient) -> str:
+async def _start_job(client: httpx.AsyncClient, config: SoakConfig, seed: int) -> str:
     data = "".join(json.dumps(fact) + "\n" for fact in FACTS).encode()
     upload = await client.post("/v1/files", data={"purpose": "fine-tune"},
                                files={"file": ("facts.jsonl", data)})
     upload.raise_for_status()
     job = await client.post("/v1/fine_tuning/jobs", json={
-        "model": MODEL, "training_file": upload.json()["id"], "seed": 1,
-        "hyperparameters": {"n_epochs": 2, "batch_size": 1},
+        "model": MODEL, "training_file": upload.json()["id"], "seed": seed,
+        "hyperparameters": {"n_epochs": config.job_epochs, "batch_size": 1},
         "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
     job.raise_for_status()
     return job.json()["id"]
+
+
+async def _job_cycles(client: httpx.AsyncClient, config: SoakConfig, stop: asyncio.Event,
+                      report: SoakReport) -> None:
+    """Keep `config.num_jobs` jobs running until `stop`, then let the last ones finish (bounded
+    by the settle timeout); every job's final status goes to `report.job_statuses`."""
+    running: list[str] = []
+    seed = 0
+    deadline = None
+    while True:
+        if not stop.is_set():
+            while len(running) < config.num_jobs:
+                seed += 1
+                running.append(await _start_job(client, config, seed))
+        elif deadline is None:
+            deadline = time.monotonic() + config.settle_timeout_s
+        for job_id in list(running):
+            status = (await client.get(f"/v1/fine_tuning/jobs/{job_id}")).json()["status"]
+            if status in ("succeeded", "failed", "cancelled"):
+                running.remove(job_id)
+                report.job_statuses.append(status)
+        if stop.is_set() and not running:
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            report.violations.append(f"{len(running)} fine-tuning jobs still running "
+                                     f"{config.settle_timeout_s} s after the load")
+            return
+        await asyncio.sleep(0.5)
 
 
 async def soak(url: str, config: SoakConfig, server_pid: int | None = None,
@@ -300,14 +340,19 @@ async def soak(url: str, config: SoakConfig, server_pid: int | None = None,
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
                                  timeout=config.request_timeout_s) as client:
-        job_id = await _start_job(client) if config.finetune else None
         stop, loaded = asyncio.Event(), asyncio.Event()
+        jobs = (asyncio.create_task(_job_cycles(client, config, stop, report))
+                if config.finetune else None)
         cycles = None
         if config.adapter_dir is not None:
             cycles = asyncio.create_task(_adapter_cycles(client, config, stop, loaded, report))
         mixed: list[Outcome] = []
-        for _ in range(config.rounds):
+        start = time.monotonic()
+        num_rounds = 0
+        while (num_rounds < config.rounds if config.duration_s <= 0
+               else time.monotonic() - start < config.duration_s):
             mixed += await _mixed_round(client, rng, config, loaded)
+            num_rounds += 1
             await _wait_quiet(client, config, report, need_jobs_done=False)
             if server_pid is not None:
                 report.rss_mib.append(rss_mib(server_pid))
@@ -316,10 +361,11 @@ async def soak(url: str, config: SoakConfig, server_pid: int | None = None,
             await cycles
         report.outcomes["mixed"] = mixed
         report.outcomes["burst"] = await _burst(client, rng, config)
+        if jobs is not None:
+            await jobs
+            others = [status for status in report.job_statuses if status != "succeeded"]
+            report.job_status = others[0] if others else "succeeded"
         await _wait_quiet(client, config, report, need_jobs_done=True)
-        if job_id is not None:
-            report.job_status = (await client.get(f"/v1/fine_tuning/jobs/{job_id}")).json()[
-                "status"]
         report.final_metrics = await _scrape(client)
         report.final_health = (await client.get("/health")).json()
     check_invariants(report, config)
@@ -396,8 +442,13 @@ def check_invariants(report: SoakReport, config: SoakConfig) -> None:
     if report.final_health.get("num_requests_in_flight", 0):
         violations.append(f"after the load, /health counts "
                           f"{report.final_health['num_requests_in_flight']} requests in flight")
-    if config.finetune and report.job_status != "succeeded":
-        violations.append(f"the fine-tuning job ended {report.job_status!r}, not succeeded")
+    if config.finetune and (not report.job_statuses or report.job_status != "succeeded"):
+        violations.append(f"fine-tuning jobs ended {dict(Counter(report.job_statuses))}, not "
+                          "all succeeded")
+    running = {k: v for k, v in metrics.items()
+               if k.startswith("flexserve:lora_requests_running") and v}
+    if running:
+        violations.append(f"after the load, requests still hold LoRA adapters: {running}")
     if len(report.rss_mib) >= 2:
         growth = report.rss_mib[-1] - report.rss_mib[0]
         if growth > config.max_rss_growth_mib:
@@ -447,7 +498,8 @@ def serve(model_dir: str, state_dir: str, config: SoakConfig, log_path: str,
         [sys.executable, "-m", "flexserve.entrypoints.cli.main", "serve", "--model", model_dir,
          "--served-model-name", MODEL, "--state-dir", state_dir, "--port", str(port),
          "--max-num-seqs", str(config.max_num_seqs), "--max-queue-len",
-         str(config.max_queue_len), "--enable-lora", "--max-loras", "3", "--max-lora-rank", "4",
+         str(config.max_queue_len), "--enable-lora", "--max-loras", str(config.num_jobs + 2),
+         "--max-concurrent-jobs", str(config.num_jobs), "--max-lora-rank", "4",
          "--max-model-len", "256", "--kv-cache-gib", "0.05", "--disable-log-stats",
          "--log-level", "warning", *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -11,6 +11,7 @@ import os
 
 HOME = "FLEXSERVE_HOME"
 API_KEY = "FLEXSERVE_API_KEY"
+ADMIN_API_KEY = "FLEXSERVE_ADMIN_API_KEY"
 ITERATION_TRACE = "FLEXSERVE_ITERATION_TRACE"
 STALL_DUMP_S = "FLEXSERVE_STALL_DUMP_S"
 WINDOW_ATTENTION = "FLEXSERVE_WINDOW_ATTENTION"
@@ -53,6 +54,11 @@ def set_home(path: str) -> None:
 def api_key() -> str | None:
     """FLEXSERVE_API_KEY: the key `flexserve serve` requires, and `flexserve bench serve` sends."""
     return os.environ.get(API_KEY) or None
+
+
+def admin_api_key() -> str | None:
+    """FLEXSERVE_ADMIN_API_KEY: an operator key of `flexserve serve` (--admin-api-key)."""
+    return os.environ.get(ADMIN_API_KEY) or None
 
 
 def iteration_trace() -> str | None:

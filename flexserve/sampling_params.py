@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -57,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _int_at_least("seed", self.seed, -(2**63))
+            if self.seed >= 2**63:
+                raise ValueError(f"seed must be < 2**63, got {self.seed}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -93,6 +96,8 @@ class SamplingParams:
 def _number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from flexserve.engine.fairness import (
-    DEFAULT_TENANT,
+    MAX_IDLE_TENANTS,
     VirtualTokenCounter,
     VTCWeights,
-    resolve_tenant,
 )
 
 MAX_INPUT_LEN = 128  # L_input of the simulated workload
@@ -325,9 +324,24 @@ def test_fairness_bound_arguments_are_validated():
         VirtualTokenCounter().fairness_bound(10, 2.5)
 
 
-def test_resolve_tenant():
-    assert resolve_tenant(" alice ", "team-key") == "alice"
-    assert resolve_tenant("", "team-key") == "team-key"
-    assert resolve_tenant("   ", " team-key ") == "team-key"
-    assert resolve_tenant(None, None) == DEFAULT_TENANT == "default"
-    assert resolve_tenant(None, "  ") == DEFAULT_TENANT
+def test_idle_tenants_are_forgotten_least_recently_served_first():
+    vtc = VirtualTokenCounter()
+    vtc.enqueue("busy", "busy-0")
+    vtc.charge_prompt("busy", 1000)
+    vtc.enqueue("heavy", "h")
+    vtc.charge_output("heavy", 10_000)
+    vtc.dequeue("heavy", "h")
+    for i in range(5000):  # many one-off tenants: each queues, is served a little and leaves
+        tenant = f"user-{i}"
+        vtc.enqueue(tenant, f"item-{i}")
+        vtc.charge_prompt(tenant, 3)
+        vtc.dequeue(tenant, f"item-{i}")
+        assert vtc.num_tenants <= MAX_IDLE_TENANTS + 1  # the idle ones, plus "busy"
+    assert vtc.queued_tenants() == ["busy"]
+    assert vtc.counter("busy") == 1000
+    assert vtc.counter("user-4999") == 1003  # recent: remembered
+    assert vtc.counter("heavy") == 0.0  # idle longest: forgotten...
+    vtc.enqueue("heavy", "h2")
+    assert vtc.counter("heavy") == 1000  # ...and lifted like a new tenant when it returns
+    vtc.enqueue("user-4999", "again")
+    assert vtc.counter("user-4999") == 1003  # a remembered tenant keeps its counter

@@ -189,7 +189,8 @@ def test_over_http_a_nan_job_fails_alone_and_health_says_degraded(smollm2_dir, t
                           lora=LoRAConfig(max_loras=3, max_lora_rank=4))
     engine = build_async_engine(config, log_stats=False)
     app = build_app(engine, served_model_name="smollm2", finetune=FinetuneServiceConfig(
-        state_dir=str(tmp_path), max_concurrent_jobs=2, checkpoint_every_steps=100))
+        state_dir=str(tmp_path), max_concurrent_jobs=2, checkpoint_every_steps=100),
+        metrics_job_ids=True)
     thread = ServerThread(app)
     url = thread.start()
     try:

@@ -58,7 +58,7 @@ def server(smollm2_dir, tmp_path_factory):
     state_dir = str(tmp_path_factory.mktemp("state"))
     app = build_app(engine, served_model_name=MODEL, finetune=FinetuneServiceConfig(
         state_dir=state_dir, checkpoint_every_steps=1, max_concurrent_jobs=1,
-        max_upload_bytes=MAX_UPLOAD_BYTES))
+        max_upload_bytes=MAX_UPLOAD_BYTES), metrics_job_ids=True)
     thread = ServerThread(app)
     url = thread.start()
     yield SimpleNamespace(url=url, engine=engine, state_dir=state_dir)

@@ -88,14 +88,17 @@ def _chunk_text(chunk: dict[str, Any], endpoint: str) -> str:
 
 
 async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict[str, Any],
-                       record: RequestRecord, start: float) -> RequestRecord:
-    """Stream one request, filling `record`'s timings and token counts (or its error)."""
+                       record: RequestRecord, start: float, api_key: str | None = None,
+                       ) -> RequestRecord:
+    """Stream one request, filling `record`'s timings and token counts (or its error).
+    `api_key`: sent instead of the client's own (a tenant's key)."""
     path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
     sent = time.perf_counter()
     record.sent_s = sent - start
     num_text_chunks, last, usage, done = 0, sent, None, False
     try:
-        async with client.stream("POST", path, json=body) as response:
+        headers = None if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        async with client.stream("POST", path, json=body, headers=headers) as response:
             if response.status_code != 200:
                 record.error = error_message(response, await response.aread())
                 return record
@@ -195,7 +198,27 @@ def _check_args(args: argparse.Namespace) -> int | None:
         check_min("max-concurrency", args.max_concurrency, 1)
     if args.tenants is not None:
         check_min("tenants", args.tenants, 1)
+    if args.tenant_keys is not None:
+        args.tenant_key_pairs = read_tenant_keys(args.tenant_keys)
     return num
+
+
+def read_tenant_keys(path: str) -> list[tuple[str, str]]:
+    """(tenant, key) of each `tenant:key` line of `path` (blank lines and `#` comments
+    skipped): the server's --api-key-file format."""
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for number, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            tenant, sep, key = line.partition(":")
+            if not sep or not tenant.strip() or not key.strip():
+                raise ValueError(f"--tenant-keys {path}, line {number}: expected tenant:key")
+            pairs.append((tenant.strip(), key.strip()))
+    if not pairs:
+        raise ValueError(f"--tenant-keys {path} holds no keys")
+    return pairs
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,7 +249,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": args.base_url, "model": model, "endpoint": args.endpoint,
         "settings": {k: v for k, v in vars(args).items()
-                     if k not in ("handler", "api_key") and not callable(v)},
+                     if k not in ("handler", "api_key", "tenant_key_pairs") and not callable(v)},
         "num_requests": len(records),
         "metrics": aggregate_metrics(records, duration_s, args.metric_percentiles,
                                      args.slo_ttft_ms, args.slo_tpot_ms),
@@ -257,9 +280,12 @@ async def _send_all(args: argparse.Namespace, client: httpx.AsyncClient, model: 
     semaphore = asyncio.Semaphore(args.max_concurrency or 1 << 30)
     progress = tqdm(total=num_requests, disable=args.disable_tqdm, desc="requests")
 
-    async def run(record: RequestRecord, body: dict[str, Any]) -> RequestRecord:
+    tenant_keys = getattr(args, "tenant_key_pairs", None)
+
+    async def run(record: RequestRecord, body: dict[str, Any],
+                  api_key: str | None) -> RequestRecord:
         async with semaphore:
-            await send_request(client, args.endpoint, body, record, start)
+            await send_request(client, args.endpoint, body, record, start, api_key)
         progress.update(1)
         return record
 
@@ -276,9 +302,12 @@ async def _send_all(args: argparse.Namespace, client: httpx.AsyncClient, model: 
         if delay > 0:
             await asyncio.sleep(delay)
         tenant = None if args.tenants is None else f"tenant-{index % args.tenants}"
+        api_key = None
+        if tenant_keys is not None:
+            tenant, api_key = tenant_keys[index % len(tenant_keys)]
         record = RequestRecord(index, tenant, arrival, request.prompt_len, request.output_len)
         body = _request_body(args.endpoint, model, request, tenant, args.ignore_eos)
-        tasks.append(asyncio.create_task(run(record, body)))
+        tasks.append(asyncio.create_task(run(record, body, api_key)))
     if not tasks and args.duration is not None:  # the fine-tuning job alone
         await asyncio.sleep(max(0.0, start + args.duration - time.perf_counter()))
     try:
@@ -382,7 +411,12 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrency", type=int, default=None,
                        help="requests in flight at most [unbounded]")
     group.add_argument("--tenants", type=int, default=None,
-                       help="round-robin the requests over users tenant-0..N-1 (the `user` field)")
+                       help="round-robin the requests over users tenant-0..N-1 (the `user` field, "
+                            "an end-user id: the server accounts by API key, see --tenant-keys)")
+    group.add_argument("--tenant-keys", default=None, metavar="FILE",
+                       help="round-robin the requests over the tenants of FILE (`tenant:key` "
+                            "lines, the server's --api-key-file): each is sent with its tenant's "
+                            "key, so the server's fairness sees the tenants")
     group.add_argument("--seed", type=int, default=0, help="arrivals and prompts [%(default)s]")
     group = parser.add_argument_group("report")
     group.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput")

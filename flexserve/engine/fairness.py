@@ -9,6 +9,11 @@ never lowered. Lemma 1 then bounds the spread of counters among queued tenants b
 U = max(w_p * L_input, max(w_q, w_r) * M), and theorem 1 bounds the difference in weighted
 service of two backlogged tenants over any interval by 2U.
 
+Memory stays bounded however many tenants come and go: at most `MAX_IDLE_TENANTS` idle tenants
+(no item in the queue) are remembered, the least recently served are forgotten first. A forgotten
+tenant that returns is lifted like a new one, to the smallest queued counter; the credit it can
+gain is what it was served beyond that counter while it was last active.
+
 This module holds the counters and the queue membership only; the scheduler decides what a work
 item is and when it enters or leaves the queue, and charges service as it schedules it.
 """
@@ -20,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 DEFAULT_TENANT = "default"
+MAX_IDLE_TENANTS = 64  # idle tenants remembered before the forgettable ones are dropped
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,15 +46,6 @@ class VTCWeights:
                 or value <= 0
             ):
                 raise ValueError(f"VTC weight {f.name} must be a finite number > 0, got {value!r}")
-
-
-def resolve_tenant(user: str | None, api_key_name: str | None) -> str:
-    """The tenant a request is accounted to: its `user` field, else the API key's tenant name,
-    else DEFAULT_TENANT. Surrounding whitespace is stripped; an empty value falls through."""
-    for candidate in (user, api_key_name):
-        if isinstance(candidate, str) and candidate.strip():
-            return candidate.strip()
-    return DEFAULT_TENANT
 
 
 def _check_num_tokens(num_tokens: int) -> None:
@@ -89,7 +86,8 @@ class VirtualTokenCounter:
             raise ValueError(
                 f"work item {key!r} is already queued (tenant {self._tenant_of_key[key]!r})"
             )
-        counter = self._counters.setdefault(tenant, 0.0)
+        counter = self._counters.pop(tenant, 0.0)  # re-inserted last: the newest served
+        self._counters[tenant] = counter
         if tenant not in self._num_queued:
             # Counter lifting: a tenant (re)joining Q must not carry credit from its idle time.
             if not self._num_queued:
@@ -117,6 +115,25 @@ class VirtualTokenCounter:
             # Only read when Q is empty, and then the last tenant to leave Q is exactly the owner
             # of the last item dequeued, so recording it here is the same thing.
             self._last_leaver = tenant
+            self._forget_idle_tenants()
+
+    def _forget_idle_tenants(self) -> None:
+        """Drop the least recently served idle tenants beyond MAX_IDLE_TENANTS (`_counters` is
+        kept in the order tenants were last served or queued)."""
+        excess = len(self._counters) - len(self._num_queued) - MAX_IDLE_TENANTS
+        if excess <= 0:
+            return
+        for tenant in list(self._counters):
+            if excess <= 0:
+                break
+            if tenant not in self._num_queued and tenant != self._last_leaver:
+                del self._counters[tenant]
+                excess -= 1
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants with a remembered counter (queued, running or recently idle)."""
+        return len(self._counters)
 
     def queued_tenants(self) -> list[str]:
         """Tenants with at least one item in Q, in the order they (re)entered Q."""
@@ -152,7 +169,8 @@ class VirtualTokenCounter:
     def _charge(self, tenant: str, num_tokens: int, weight: float) -> None:
         _check_tenant(tenant)
         _check_num_tokens(num_tokens)
-        self._counters[tenant] = self._counters.get(tenant, 0.0) + weight * num_tokens
+        # Popped and re-inserted: `_counters` stays in the order tenants were last served.
+        self._counters[tenant] = self._counters.pop(tenant, 0.0) + weight * num_tokens
 
     def counter(self, tenant: str) -> float:
         """c_tenant; 0.0 for a tenant never seen."""

@@ -27,6 +27,10 @@ plan carries the job's optimizer step, and the job places nothing more until tha
 is folded in (its next forward must see the updated adapter). Sequence ids are positions in the
 job's training order (step by step), so packing, resuming and dropout seeds agree on them.
 Pure Python: the worker owns every tensor (activations, gradients, optimizer state).
+
+Divergence: the worker fails a job whose loss or gradient norm is not finite; the scheduler fails
+one that has collapsed to a uniform prediction (`collapsed_reason`), whose finite loss would
+otherwise let it "succeed" with an adapter that learned nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from flexserve.engine.divergence import collapsed_reason
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
 from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
 from flexserve.finetune.steps import pack_sequences
@@ -212,10 +217,12 @@ class FinetuneJobState:
 class FinetuneScheduler:
     """Places fine-tuning windows into plans; owns the engine-side state of every job."""
 
-    def __init__(self, kv_cache_manager, num_layers: int, max_finetune_len: int) -> None:
+    def __init__(self, kv_cache_manager, num_layers: int, max_finetune_len: int,
+                 vocab_size: int | None = None) -> None:
         self.kv = kv_cache_manager
         self.num_layers = num_layers
         self.max_finetune_len = max_finetune_len
+        self.vocab_size = vocab_size  # for `collapsed_reason`; None: not checked
         self.jobs: dict[str, FinetuneJobState] = {}  # every job not yet removed, in start order
         self.default_picker = FirstStartedPicker()
         self._updates: list[FinetuneUpdate] = []
@@ -411,7 +418,11 @@ class FinetuneScheduler:
             self._updates.append(FinetuneUpdate(
                 job_id, "step", job.step_index, job.num_steps, job.losses[-1],
                 job.grad_norms[-1], job.num_forward_tokens, job.events[-1], accuracy))
-            if job.step_index == job.num_steps:
+            collapsed = collapsed_reason(job.losses, job.grad_norms, self.vocab_size)
+            if collapsed is not None:
+                self.end_job(job_id, FinetuneJobStatus.FAILED, collapsed)
+                job.events.append(f"The job failed: {collapsed}")
+            elif job.step_index == job.num_steps:
                 job.status = FinetuneJobStatus.SUCCEEDED
                 job.events.append("The job has successfully completed.")
                 self._updates.append(self._update(job, "succeeded", job.events[-1]))

@@ -7,6 +7,22 @@ from typing import Any, Sequence
 from flexserve.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+# Slack on the character bound below, for normalizers that drop characters (whitespace, accents).
+_NORMALIZER_SLACK = 2
+
+
+def max_token_chars(tokenizer: Any | None) -> int | None:
+    """The longest vocabulary entry in characters (None when unknown). A token decodes to at
+    most that many bytes, so a prompt of C characters has at least C / max_token_chars tokens:
+    a prompt far too long for the context is refused without tokenizing it."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        vocab = get_vocab()
+    except Exception:  # a tokenizer without a vocabulary listing: no bound
+        return None
+    return max((len(token) for token in vocab), default=None) if isinstance(vocab, dict) else None
 
 
 class InputProcessor:
@@ -16,6 +32,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        token_chars = max_token_chars(tokenizer)
+        # prompts with more characters than this surely exceed the context (max_token_chars)
+        self.max_prompt_chars = (None if token_chars is None
+                                 else _NORMALIZER_SLACK * token_chars * max_model_len)
 
     def process(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); raises ValueError on bad input."""
@@ -24,6 +44,7 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            self.check_text_length(prompt)
             return self.validate(prompt, list(self.tokenizer.encode(prompt)))
         if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             token_ids = list(prompt)
@@ -36,6 +57,14 @@ class InputProcessor:
                 )
             return self.validate(None, token_ids)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_text_length(self, text: str) -> None:
+        """ValueError, without tokenizing, for a text with far more characters than the
+        context can hold as tokens."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"the prompt has {len(text)} characters, more than the model's context length "
+                f"(max_model_len) of {self.max_model_len} tokens can hold")
 
     def validate(self, text: str | None, token_ids: list[int]) -> tuple[str | None, list[int]]:
         """Checks a tokenized prompt against the context length."""
@@ -84,4 +113,5 @@ class InputProcessor:
 
     def encode_chat_prompt(self, text: str) -> list[int]:
         """Chat templates already contain the special tokens; do not add them again."""
+        self.check_text_length(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))

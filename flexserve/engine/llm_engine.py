@@ -48,7 +48,7 @@ class PreparedRequest:
     max_tokens: int  # resolved generation limit
     arrival_time: float  # time.monotonic() at arrival
     lora_name: str | None = None  # adapter to use (resolved when enqueued); None: base model
-    tenant: str = "default"  # the fair-share account it is charged to (the request's `user`)
+    tenant: str = "default"  # the fair-share account it is charged to (the API key's tenant)
     final_output_only: bool = False  # `step` returns only its finished output (offline generate)
 
 
@@ -77,6 +77,7 @@ class LLMEngine:
             max_finetune_len=max_finetune_len,
             coserve_config=config.coserve,
             latency_model=OnlineLatencyModel(self._load_latency_profile(config, info)),
+            vocab_size=info.vocab_size,
         )
         self.core = EngineCore(self.scheduler, executor, config.scheduler.async_scheduling)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
@@ -256,7 +257,7 @@ class LLMEngine:
     def add_finetune_job(
         self, data: Any, hyperparameters: Any, job_id: str | None = None,
         init_adapter_path: str | None = None, resume_from: str | None = None,
-        tenant: str = "default",
+        tenant: str = "default", step_plan: list[list[int]] | None = None,
     ) -> FinetuneJobState:
         """Start a LoRA fine-tuning job on tokenized `data` (`flexserve.finetune.TrainingData`)
         with `Hyperparameters`; its windows ride in the following steps. ValueError when LoRA
@@ -267,6 +268,8 @@ class LLMEngine:
         at the checkpoint's step with its adapter, AdamW state, sequence ids, losses and counters
         (it then replaces `init_adapter_path`). `tenant`: the fair-share account of its windows.
         A step's sequences are packed into bins of at most max_num_batched_tokens tokens.
+        `step_plan`: the examples of each step (`plan_training_steps` of the same data and
+        hyper-parameters), when the caller planned them off the engine thread.
         """
         from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
@@ -278,11 +281,12 @@ class LLMEngine:
             raise ValueError(f"fine-tuning job {job_id!r} exists already")
         trainer_state = None if resume_from is None else read_trainer_state(resume_from)
         seed = hp.seed if hp.seed is not None else 0
-        steps = plan_training_steps(len(data.examples), hp.batch_size, hp.n_epochs, hp.shuffle,
-                                    seed)
+        if step_plan is None:
+            step_plan = [list(step.example_indices) for step in plan_training_steps(
+                len(data.examples), hp.batch_size, hp.n_epochs, hp.shuffle, seed)]
         job = FinetuneJobState(
             job_id, [TrainingSequence(e.input_ids, e.loss_mask) for e in data.examples],
-            [list(step.example_indices) for step in steps], -1, tenant=tenant,
+            step_plan, -1, tenant=tenant,
             pack_capacity=self.config.scheduler.max_num_batched_tokens)
         if trainer_state is not None:
             self.scheduler.finetune.restore(job, trainer_state)
@@ -296,18 +300,18 @@ class LLMEngine:
         try:
             self.scheduler.finetune.add_job(job)
             self.executor.add_finetune_job(
-                job_id=job_id, lora_slot=slot, hyperparameters=hp, num_training_steps=len(steps),
+                job_id=job_id, lora_slot=slot, hyperparameters=hp, num_training_steps=len(step_plan),
                 init_adapter_path=init_adapter_path, seed=seed, resume_from=resume_from)
         except Exception:
             self.scheduler.finetune.remove_job(job_id)
             adapters.release_slot(owner)
             raise
         job.events.extend(event.message for event in data.events)
-        job.events.append(f"Job started: {len(data.examples)} examples, {len(steps)} steps.")
+        job.events.append(f"Job started: {len(data.examples)} examples, {len(step_plan)} steps.")
         if trainer_state is not None:
             job.events.append(f"Resumed from a checkpoint after step {job.step_index}.")
         logger.info("fine-tuning job %s: %d examples, %d steps, LoRA slot %d%s", job_id,
-                    len(data.examples), len(steps), slot,
+                    len(data.examples), len(step_plan), slot,
                     "" if resume_from is None else f", resumed at step {job.step_index}")
         self._release_finished_jobs()  # a checkpoint of the last step has nothing left to run
         return job

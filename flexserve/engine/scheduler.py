@@ -59,6 +59,7 @@ class Scheduler:
         coserve_config: CoserveConfig | None = None,
         latency_model: OnlineLatencyModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        vocab_size: int | None = None,
     ) -> None:
         if type(max_model_len) is not int or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -80,7 +81,7 @@ class Scheduler:
         )
         # Fine-tuning windows fill the budget the inference rows leave (FlexLLM 6.1).
         self.finetune = FinetuneScheduler(
-            self.kv_cache_manager, num_layers, max_finetune_len or max_model_len)
+            self.kv_cache_manager, num_layers, max_finetune_len or max_model_len, vocab_size)
         # Sizes the fine-tuning windows (latency model, sharing policy) and keeps the fairness
         # counters of tenants and jobs (FlexLLM 6.2, appendices A and C).
         self.clock = clock

@@ -17,6 +17,7 @@ No torch import: the engine counts tokens and plans steps from this.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -162,6 +163,35 @@ def _lines(source: bytes | str | os.PathLike[str]) -> list[bytes]:
     return data.split(b"\n")
 
 
+def _non_finite(constant: str) -> float:
+    raise ValueError(f"{constant} is not a JSON number (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:32]} overflows a float (numbers must be finite)")
+    return value
+
+
+def _check_text(value: Any) -> None:
+    """ValueError for a string anywhere in a parsed line that is not valid Unicode text (a lone
+    surrogate such as "\\ud800", which JSON escapes allow but no tokenizer can encode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"a string holds the lone surrogate U+{ord(value[e.start]):04X} "
+                             "(not valid Unicode text)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key)
+            _check_text(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item)
+
+
 def load_training_data(source: bytes | str | os.PathLike[str], tokenizer: Any,
                        max_seq_len: int) -> TrainingData:
     """Parse a JSONL training file (a path, or its bytes) into tokenized examples.
@@ -183,10 +213,13 @@ def load_training_data(source: bytes | str | os.PathLike[str], tokenizer: Any,
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_non_finite, parse_float=_finite_float)
+            _check_text(record)
         except json.JSONDecodeError as e:
             raise ValueError(f"line {line_number}: not valid JSON ({e.msg} at column {e.colno})"
                              ) from None
+        except ValueError as e:
+            raise ValueError(f"line {line_number}: {e}") from None
         try:
             if not isinstance(record, dict):
                 raise ValueError(f"expected a JSON object, got {type(record).__name__}")

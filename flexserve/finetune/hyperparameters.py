@@ -16,6 +16,13 @@ DEFAULT_BATCH_SIZE = 8
 DEFAULT_LEARNING_RATE = 1e-4
 DEFAULT_N_EPOCHS = 1
 DEFAULT_MAX_SEQ_LEN = 2048
+# Upper bounds (400 beyond them): a job's plan is built and held in memory, and its integers
+# are stored in SQLite (64-bit), so nothing a request sends may be unbounded.
+MAX_BATCH_SIZE = 1024
+MAX_N_EPOCHS = 1000
+MAX_WARMUP_STEPS = 1_000_000
+MAX_SEQ_LEN = 1 << 20
+MAX_SEED = 2**31 - 1  # as OpenAI's `seed`
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 # The seven projections of a Llama-family decoder layer (the keys of
 # flexserve.peft.bypass.TARGET_MODULES; not imported from there because flexserve.peft imports
@@ -23,11 +30,13 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int, maximum: int) -> None:
     if type(value) is not int:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
 def _as_float(name: str, value: object, minimum: float, inclusive: bool) -> float:
@@ -63,7 +72,7 @@ class LoRAHyperparameters:
     init_adapter: str | None = None  # PEFT directory or loaded adapter name; None: PEFT's init
 
     def __post_init__(self) -> None:
-        _check_int("lora.r", self.r, 1)
+        _check_int("lora.r", self.r, 1, 1 << 16)
         self.alpha = _as_float("lora.alpha", self.alpha, 0.0, inclusive=False)
         self.dropout = _as_float("lora.dropout", self.dropout, 0.0, inclusive=True)
         if self.dropout >= 1.0:
@@ -124,24 +133,24 @@ class Hyperparameters:
     lora: LoRAHyperparameters = field(default_factory=LoRAHyperparameters)
 
     def __post_init__(self) -> None:
-        _check_int("batch_size", self.batch_size, 1)
+        _check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
         self.learning_rate = _as_float("learning_rate", self.learning_rate, 0.0, inclusive=False)
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise ValueError(
                 f"lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}, got {self.lr_scheduler!r}"
             )
-        _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("warmup_steps", self.warmup_steps, 0, MAX_WARMUP_STEPS)
         self.weight_decay = _as_float("weight_decay", self.weight_decay, 0.0, inclusive=True)
         if self.max_grad_norm is not None:
             self.max_grad_norm = _as_float(
                 "max_grad_norm", self.max_grad_norm, 0.0, inclusive=False)
-        _check_int("n_epochs", self.n_epochs, 1)
+        _check_int("n_epochs", self.n_epochs, 1, MAX_N_EPOCHS)
         if type(self.shuffle) is not bool:
             raise ValueError(f"shuffle must be true or false, got {self.shuffle!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            _check_int("seed", self.seed, 0, MAX_SEED)
         # Two tokens at least: position 0 is never predicted, so one token has nothing to learn.
-        _check_int("max_seq_len", self.max_seq_len, 2)
+        _check_int("max_seq_len", self.max_seq_len, 2, MAX_SEQ_LEN)
         if not isinstance(self.lora, LoRAHyperparameters):
             raise ValueError(f"lora must be a LoRAHyperparameters, got {type(self.lora).__name__}")
 

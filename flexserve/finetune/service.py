@@ -67,6 +67,7 @@ from flexserve.finetune.data import TrainingData, TrainingExample, load_training
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.records import JOB_STATUSES, JobRecord
 from flexserve.finetune.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
+from flexserve.finetune.steps import plan_training_steps
 from flexserve.finetune.store import StateStore
 
 logger = logging.getLogger(__name__)
@@ -368,6 +369,7 @@ class FinetuneService:
             return False
         # Every epoch trains every example once (`finetune.steps.plan_training_steps`).
         active.num_total_tokens = hp.n_epochs * sum(len(e.input_ids) for e in data.examples)
+        step_plan = await asyncio.to_thread(_step_plan, len(data.examples), hp)
         self._paused_ids.discard(job_id)  # paused earlier, resumed now
         if latest is not None:
             active.num_logged_steps = await asyncio.to_thread(self._num_logged_steps, job_id)
@@ -375,7 +377,8 @@ class FinetuneService:
         init = hp.lora.init_adapter if latest is None else None
         start = functools.partial(
             self.engine.engine.add_finetune_job, data, hp, job_id=job_id, init_adapter_path=init,
-            resume_from=None if latest is None else latest.path, tenant=record.tenant)
+            resume_from=None if latest is None else latest.path, tenant=record.tenant,
+            step_plan=step_plan)
         while True:
             try:
                 await self.engine.call(start)
@@ -661,6 +664,13 @@ class FinetuneService:
     def _publish_counts(self) -> None:
         if self.metrics is not None:
             self.metrics.set_job_counts(self._counts)
+
+
+def _step_plan(num_examples: int, hp: Hyperparameters) -> list[list[int]]:
+    """The examples of every step, planned off the event loop and the engine thread."""
+    seed = hp.seed if hp.seed is not None else 0
+    return [list(step.example_indices) for step in plan_training_steps(
+        num_examples, hp.batch_size, hp.n_epochs, hp.shuffle, seed)]
 
 
 def _cancel_on_engine(llm: Any, job_id: str) -> None:

@@ -15,6 +15,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+# A job's plan lists every example of every epoch: bound its steps and its length (400 beyond).
+MAX_TRAINING_STEPS = 100_000
+MAX_TRAINED_EXAMPLES = 10_000_000  # n_epochs * examples in the training file
+
 
 @dataclass(slots=True, frozen=True)
 class TrainingStep:
@@ -36,6 +40,21 @@ def num_training_steps(num_examples: int, batch_size: int, n_epochs: int) -> int
     """Optimizer steps of a job: n_epochs * ceil(num_examples / batch_size)."""
     _check_counts(num_examples, batch_size, n_epochs)
     return n_epochs * -(-num_examples // batch_size)
+
+
+def check_plan_size(num_examples: int, batch_size: int, n_epochs: int) -> int:
+    """The job's number of steps; ValueError naming the limit when the plan would exceed
+    MAX_TRAINING_STEPS steps or MAX_TRAINED_EXAMPLES examples trained."""
+    num_steps = num_training_steps(num_examples, batch_size, n_epochs)
+    if num_steps > MAX_TRAINING_STEPS:
+        raise ValueError(f"n_epochs {n_epochs} x {-(-num_examples // batch_size)} steps per "
+                         f"epoch is {num_steps} optimizer steps, over the limit of "
+                         f"{MAX_TRAINING_STEPS}: lower n_epochs or raise batch_size")
+    if n_epochs * num_examples > MAX_TRAINED_EXAMPLES:
+        raise ValueError(f"n_epochs {n_epochs} x {num_examples} examples is "
+                         f"{n_epochs * num_examples} examples trained, over the limit of "
+                         f"{MAX_TRAINED_EXAMPLES}: lower n_epochs")
+    return num_steps
 
 
 def epoch_order(num_examples: int, epoch: int, shuffle: bool, seed: int | None) -> list[int]:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+ALL_JOBS = "all"  # the job_id label of every job while job ids are not exported
 JOB_STATES = ("validating_files", "queued", "running", "paused", "succeeded", "failed",
               "cancelled")
 
@@ -19,8 +20,12 @@ class FinetuneMetrics:
     """`flexserve:finetune_jobs{state}`, `flexserve:finetune_loss{job_id}`,
     `flexserve:finetune_steps_total{job_id}`, `flexserve:finetune_progress{job_id}`."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str,
+                 job_id_labels: bool = True) -> None:
         self.model_name = model_name
+        # Off: job ids are tenants' data, so steps count under job_id="all" and the per-job
+        # gauges (loss, progress) are not exported.
+        self.job_id_labels = job_id_labels
         self._jobs = Gauge("flexserve:finetune_jobs", "Fine-tuning jobs in each state.",
                            ["model_name", "state"], registry=registry,
                            multiprocess_mode="mostrecent")
@@ -50,10 +55,12 @@ class FinetuneMetrics:
         """A job finished an optimizer step: its loss, and the steps done in total (the counter
         is moved up to it, so a restarted server resumes the count of a resumed job) out of
         `num_steps` planned (its progress)."""
-        self._loss.labels(self.model_name, job_id).set(loss)
-        if num_steps:
-            self._progress.labels(self.model_name, job_id).set(num_steps_done / num_steps)
+        if self.job_id_labels:
+            self._loss.labels(self.model_name, job_id).set(loss)
+            if num_steps:
+                self._progress.labels(self.model_name, job_id).set(num_steps_done / num_steps)
         delta = num_steps_done - self._steps_counted.get(job_id, 0)
         if delta > 0:
-            self._steps.labels(self.model_name, job_id).inc(delta)
+            label = job_id if self.job_id_labels else ALL_JOBS
+            self._steps.labels(self.model_name, label).inc(delta)
             self._steps_counted[job_id] = num_steps_done

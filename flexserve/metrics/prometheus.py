@@ -8,6 +8,7 @@ can live in one process; every metric carries a `model_name` label.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +21,7 @@ from prometheus_client import (
 )
 
 from flexserve.engine.serving_stats import FinishedRequestStats, IterationStats
+from flexserve.metrics.finetune_metrics import ALL_JOBS
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so dashboards built for vLLM read the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -31,6 +33,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
                              0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 FINISH_REASONS = ("stop", "length", "abort")
+
 
 # No `*_created` series next to every counter and histogram (vLLM does the same); this is a
 # process-wide switch of prometheus_client, which only this package uses.
@@ -60,8 +63,15 @@ class PrometheusStatLogger:
         slo_ttft_s: float = 5.0,
         slo_tpot_s: float = 0.05,
         slo_window_s: float = 60.0,
+        job_id_labels: bool = True,
+        public_lora_name: Callable[[str], str] | None = None,
     ) -> None:
         self.model_name = model_name
+        # Job ids and tenants' adapter names are tenants' data: with `job_id_labels` off, every
+        # job's counters go to job_id="all", and `public_lora_name` maps an adapter's name to
+        # the label it is shown under (counts of names mapped alike are summed).
+        self.job_id_labels = job_id_labels
+        self.public_lora_name = public_lora_name
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         labels = ["model_name"]
         r = self.registry
@@ -260,7 +270,8 @@ class PrometheusStatLogger:
         for phase, tokens in (("forward", stats.finetune_forward_tokens),
                               ("backward", stats.finetune_backward_tokens)):
             for job_id, num_tokens in tokens.items():
-                self._finetune_tokens.labels(self.model_name, job_id, phase).inc(num_tokens)
+                label = job_id if self.job_id_labels else ALL_JOBS
+                self._finetune_tokens.labels(self.model_name, label, phase).inc(num_tokens)
 
     def record_rejection(self, code: str) -> None:
         """One request refused by admission control (called on the server's event loop)."""
@@ -269,6 +280,12 @@ class PrometheusStatLogger:
     def _record_lora(self, stats: IterationStats) -> None:
         assert self.lora_requests_running is not None
         running = stats.lora_requests_running or {}
+        if self.public_lora_name is not None:
+            public: dict[str, int] = {}
+            for name, count in running.items():
+                label = self.public_lora_name(name)
+                public[label] = public.get(label, 0) + count
+            running = public
         for name, count in running.items():
             self.lora_requests_running.labels(self.model_name, name).set(count)
         for name in self._lora_names - running.keys():  # unloaded: drop the series

@@ -41,18 +41,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key-file", default=None,
                         help="API keys, one a line: `key` or `tenant:key` (the tenant is the "
                              "key's account for fairness, limits and jobs)")
+    server.add_argument("--admin-api-key", action="append", default=None,
+                        help="an operator key (repeatable): loads, unloads and lists every "
+                             "tenant's adapters and models; adapters it loads serve all tenants "
+                             "[$FLEXSERVE_ADMIN_API_KEY, else none]")
     server.add_argument("--max-queue-len", type=int, default=1024,
                         help="generation requests waiting beyond --max-num-seqs running; past "
                              "it new ones get 429 with Retry-After [%(default)s]")
     server.add_argument("--max-requests-per-tenant", type=int, default=None,
                         help="generation requests one tenant may have in flight; past it 429 "
                              "[unlimited]")
+    server.add_argument("--max-seqs-per-tenant", type=int, default=None,
+                        help="sequences (prompts x n) one tenant may have in flight; past it "
+                             "429 [unlimited; all tenants together: max-num-seqs + "
+                             "max-queue-len]")
+    server.add_argument("--max-tokens-per-tenant", type=int, default=None,
+                        help="tokens (prompt plus max_tokens, per sequence) one tenant may have "
+                             "in flight; past it 429 [unlimited]")
     server.add_argument("--request-timeout-s", type=float, default=None,
                         help="abort a request still running this long after it arrived (408, "
                              "KV freed) [no limit]")
     server.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="on SIGTERM: time for requests in flight to finish (new ones get "
                              "503) and for running jobs to checkpoint [%(default)s]")
+    server.add_argument("--metrics-job-ids", action="store_true",
+                        help="name fine-tuning jobs and tenants' adapters in /metrics labels and "
+                             "/health (both answer without a key) [off: job_id=\"all\", "
+                             "lora_name=\"private\"]")
     server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                         help="enable CORS for these browser origins (`*`: any) [CORS off]")
     # --- end reliability and security ---
@@ -111,13 +126,18 @@ def serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     # --- reliability and security ---
     env_key = envs.api_key()
-    api_keys = APIKeyTable.from_sources(args.api_keys or ([env_key] if env_key else []),
-                                        args.api_key_file)
+    env_admin_key = envs.admin_api_key()
+    api_keys = APIKeyTable.from_sources(
+        args.api_keys or ([env_key] if env_key else []), args.api_key_file,
+        args.admin_api_key or ([env_admin_key] if env_admin_key else []))
     if args.max_queue_len < 0:
         raise ValueError(f"--max-queue-len must be >= 0, got {args.max_queue_len}")
     limits = AdmissionLimits(
         max_num_requests=config.scheduler.max_num_seqs + args.max_queue_len,
-        max_num_requests_per_tenant=args.max_requests_per_tenant)
+        max_num_requests_per_tenant=args.max_requests_per_tenant,
+        max_num_sequences=config.scheduler.max_num_seqs + args.max_queue_len,
+        max_num_sequences_per_tenant=args.max_seqs_per_tenant,
+        max_num_tokens_per_tenant=args.max_tokens_per_tenant)
     if args.request_timeout_s is not None and not args.request_timeout_s > 0:
         raise ValueError(f"--request-timeout-s must be positive, got {args.request_timeout_s}")
     if not args.shutdown_grace_s >= 0:
@@ -135,6 +155,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_name=args.served_model_name,
                     max_request_body_bytes=args.max_request_body_bytes, finetune=finetune,
                     api_keys=api_keys, limits=limits, allowed_origins=args.allowed_origins or (),
+                    metrics_job_ids=args.metrics_job_ids,
                     shutdown_grace_s=args.shutdown_grace_s)
     info = engine.info
     url = f"http://{args.host}:{args.port}"

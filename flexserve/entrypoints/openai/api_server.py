@@ -26,10 +26,11 @@ from flexserve.engine.adapter_manager import AdapterExistsError, AdapterNotFound
 from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.entrypoints.openai import serving_files
 from flexserve.entrypoints.openai import serving_finetune as serving_fine_tuning
-from flexserve.entrypoints.openai.auth import APIKeyMiddleware, APIKeyTable, owner_tenant
+from flexserve.entrypoints.openai.auth import APIKeyMiddleware, APIKeyTable
 from flexserve.entrypoints.openai.errors import (
     EXCEPTION_HANDLERS,
     APIError,
+    InternalErrorMiddleware,
     bad_request,
     error_response,
 )
@@ -39,6 +40,13 @@ from flexserve.entrypoints.openai.limits import (
     AdmissionLimits,
     AdmissionMiddleware,
 )
+from flexserve.entrypoints.openai.model_access import (
+    PRIVATE_ADAPTER,
+    ModelAccess,
+    adapter_not_found,
+    check_name,
+)
+from flexserve.entrypoints.openai.offload import DEFAULT_MAX_PENDING, Offload
 from flexserve.entrypoints.openai.openapi import build_openapi
 from flexserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,6 +58,7 @@ from flexserve.entrypoints.openai.protocol import (
     VersionResponse,
     now_s,
 )
+from flexserve.entrypoints.openai.request_body import read_json
 from flexserve.entrypoints.openai.serving_base import ClientDisconnected, json_response
 from flexserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from flexserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -59,6 +68,7 @@ from flexserve.metrics import PrometheusStatLogger
 from flexserve.metrics.finetune_metrics import FinetuneMetrics
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
+UNBOUNDED_PREPARATION_QUEUE = 4096  # the preparation queue of a server without a request limit
 # nginx's code for "client closed the request": logged, never seen by the (gone) client.
 _CLIENT_CLOSED_REQUEST = 499
 # Room for the multipart framing (boundaries, part headers, `purpose`) around an upload of
@@ -77,6 +87,7 @@ def build_app(
     limits: AdmissionLimits | None = None,
     allowed_origins: Sequence[str] = (),
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+    metrics_job_ids: bool = False,
 ) -> Starlette:
     """An app serving `engine` under `served_model_name` (default: the model's name).
 
@@ -88,6 +99,8 @@ def build_app(
     tenants) guard `/v1/*`; `limits` bounds the generation requests in flight (429 past them);
     `allowed_origins` turns CORS on for those origins (off by default); a graceful shutdown
     (`app.state.shutdown`) gives requests in flight `shutdown_grace_s` to finish.
+    `/metrics` and `/health` name jobs and tenants' adapters only with `metrics_job_ids`
+    (`--metrics-job-ids`): they answer without a key.
     """
     if max_request_body_bytes <= 0:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
@@ -97,8 +110,12 @@ def build_app(
         if lora_request.lora_name == model_name:
             raise ValueError(f"LoRA adapter name {model_name!r} is the served model's name")
     config = engine.engine.config
+    def public_lora_name(name: str) -> str:  # called once model_access exists
+        return name if metrics_job_ids or model_access.is_shared(name) else PRIVATE_ADAPTER
+
     metrics = PrometheusStatLogger(
         model_name, config.scheduler.max_num_batched_tokens, enable_lora=engine.lora_enabled,
+        job_id_labels=metrics_job_ids, public_lora_name=public_lora_name,
         slo_ttft_s=config.coserve.slo_ttft_ms / 1000.0,
         slo_tpot_s=(math.inf if config.coserve.slo_tpot_ms is None
                     else config.coserve.slo_tpot_ms / 1000.0))
@@ -108,12 +125,12 @@ def build_app(
         raise ValueError("give either api_key or api_keys, not both")
     keys = APIKeyTable.from_sources([api_key]) if api_key else api_keys
     admission = AdmissionController(limits, on_reject=metrics.record_rejection)
-    health_monitor = HealthMonitor()
+    health_monitor = HealthMonitor(job_ids=metrics_job_ids)
     engine.add_finetune_listener(health_monitor.on_finetune_updates)
     # --- end reliability and security ---
     # --- fine-tuning service (files + jobs API) ---
     service = None if finetune is None else FinetuneService(
-        engine, model_name, finetune, FinetuneMetrics(metrics.registry, model_name))
+        engine, model_name, finetune, FinetuneMetrics(metrics.registry, model_name, metrics_job_ids))
     body_limits = {} if finetune is None else {
         "/v1/files": (finetune.max_upload_bytes + _MULTIPART_SLACK_BYTES,
                       lambda: serving_files.upload_too_large(finetune.max_upload_bytes))}
@@ -152,6 +169,7 @@ def build_app(
                           allow_headers=["Authorization", "Content-Type"],
                           expose_headers=["Retry-After", "x-request-id"])]
               if allowed_origins else []),
+            Middleware(InternalErrorMiddleware),
             Middleware(APIKeyMiddleware, keys=keys),
             Middleware(AdmissionMiddleware, controller=admission),
             Middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
@@ -165,9 +183,18 @@ def build_app(
     state.served_model_name = model_name
     state.metrics = metrics
     state.created = now_s()
-    model_access = None if service is None else service.may_use_model
-    state.completions = OpenAIServingCompletion(engine, [model_name], model_access)
-    state.chat = OpenAIServingChat(engine, [model_name], model_access)
+    model_access = ModelAccess(service, multi_tenant=keys is not None and bool(keys.tenants),
+                               keys_required=keys is not None)
+    state.model_access = model_access
+    # The preparation queue holds every generation request admission lets in (it bounds them),
+    # plus room for uploads and job creations.
+    max_admitted = admission.limits.max_num_requests
+    offload = Offload(max_pending=(UNBOUNDED_PREPARATION_QUEUE if max_admitted is None
+                                   else max_admitted + DEFAULT_MAX_PENDING))
+    state.offload = offload
+    state.completions = OpenAIServingCompletion(engine, [model_name], model_access.may_use,
+                                                offload)
+    state.chat = OpenAIServingChat(engine, [model_name], model_access.may_use, offload)
     state.finetune = service
     state.admission = admission
     state.health_monitor = health_monitor
@@ -200,7 +227,7 @@ def _finetune_routes() -> list[Route]:
 
 # ---------------------------------------------------------------------------------------- routes
 async def create_completion(request: Request) -> Response:
-    body = CompletionRequest.model_validate_json(await request.body())
+    body = await read_json(CompletionRequest, request)
     try:
         return await request.app.state.completions.create_completion(body, request)
     except ClientDisconnected:
@@ -208,7 +235,7 @@ async def create_completion(request: Request) -> Response:
 
 
 async def create_chat_completion(request: Request) -> Response:
-    body = ChatCompletionRequest.model_validate_json(await request.body())
+    body = await read_json(ChatCompletionRequest, request)
     try:
         return await request.app.state.chat.create_chat_completion(body, request)
     except ClientDisconnected:
@@ -218,43 +245,31 @@ async def create_chat_completion(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state = request.app.state
     info = state.engine.info
-    cards = [ModelCard(id=state.served_model_name, created=state.created, root=info.name,
-                       parent=None, max_model_len=info.max_model_len)]
-    service: FinetuneService | None = state.finetune
-    tenant = owner_tenant(request)
+    access: ModelAccess = state.model_access
+    paths = access.shows_paths(request)
+    cards = [ModelCard(id=state.served_model_name, created=state.created,
+                       root=info.name if paths else state.served_model_name, parent=None,
+                       max_model_len=info.max_model_len)]
     cards.extend(
-        ModelCard(id=lora.lora_name, created=state.created, root=lora.lora_path,
-                  parent=state.served_model_name, max_model_len=info.max_model_len)
-        for lora in state.engine.list_loras()
-        if service is None or (service.may_use_model(lora.lora_name, tenant)
-                               and service.is_listed(lora.lora_name))
+        ModelCard(id=lora.lora_name, created=state.created,
+                  root=lora.lora_path if paths else None, parent=state.served_model_name,
+                  max_model_len=info.max_model_len)
+        for lora in state.engine.list_loras() if access.may_list(lora.lora_name, request)
     )
     return json_response(ModelList(data=cards))
 
 
-def _adapter_not_found(name: str) -> APIError:
-    return APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
-                    code="not_found")
-
-
 async def load_lora_adapter(request: Request) -> Response:
-    body = LoadLoRAAdapterRequest.model_validate_json(await request.body())
+    body = await read_json(LoadLoRAAdapterRequest, request)
     state = request.app.state
     engine: AsyncLLMEngine = state.engine
     if not engine.lora_enabled:
         raise bad_request("LoRA is not enabled: the server runs with --no-enable-lora")
+    check_name(body.lora_name, "lora_name")
     if body.lora_name == state.served_model_name:
         raise bad_request(f"'{body.lora_name}' is the base model's name", param="lora_name")
-    service: FinetuneService | None = state.finetune
-    if service is not None:
-        # A job's model names and checkpoint directories are its tenant's: to any other
-        # tenant they are as unknown as names and directories that do not exist.
-        tenant = owner_tenant(request)
-        if not service.may_use_model(body.lora_name, tenant):
-            raise _adapter_not_found(body.lora_name)
-        if not service.may_load_path(body.lora_path, tenant):
-            raise APIError(404, f"Cannot load LoRA adapter '{body.lora_name}': no adapter at "
-                           "lora_path.", param="lora_path", code="not_found")
+    access: ModelAccess = state.model_access
+    access.check_load(body.lora_name, body.lora_path, request)
     try:
         await engine.add_lora(body.lora_name, body.lora_path)
     except AdapterExistsError as e:
@@ -262,23 +277,28 @@ async def load_lora_adapter(request: Request) -> Response:
     except ValueError as e:  # missing files, bad config, shapes, rank, outside the allowed dir
         raise bad_request(f"Cannot load LoRA adapter '{body.lora_name}': {e}",
                           param="lora_path") from e
+    access.loaded(body.lora_name, request)
+    service: FinetuneService | None = state.finetune
     if service is not None:
         await service.model_loaded(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 async def unload_lora_adapter(request: Request) -> Response:
-    body = UnloadLoRAAdapterRequest.model_validate_json(await request.body())
-    engine: AsyncLLMEngine = request.app.state.engine
+    body = await read_json(UnloadLoRAAdapterRequest, request)
+    state = request.app.state
+    engine: AsyncLLMEngine = state.engine
     if not engine.lora_enabled:
         raise bad_request("LoRA is not enabled: the server runs with --no-enable-lora")
-    service: FinetuneService | None = request.app.state.finetune
-    if service is not None and not service.may_use_model(body.lora_name, owner_tenant(request)):
-        raise _adapter_not_found(body.lora_name)
+    access: ModelAccess = state.model_access
+    loaded = body.lora_name in {lora.lora_name for lora in engine.list_loras()}
+    access.check_unload(body.lora_name, request, loaded)
     try:
         num_in_use = await engine.remove_lora(body.lora_name)
     except AdapterNotFoundError as e:
-        raise _adapter_not_found(body.lora_name) from e
+        raise adapter_not_found(body.lora_name) from e
+    access.unloaded(body.lora_name)
+    service: FinetuneService | None = state.finetune
     if service is not None:
         await service.model_unloaded(body.lora_name)
     message = f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -6,6 +6,10 @@ line: `key` or `tenant:key` (blank lines and `#` comments are skipped). A reques
 fair scheduler, the per-tenant limits and the files and fine-tuning jobs API read it (a tenant
 sees only its own files and jobs: `owner_tenant`).
 
+Admin keys (`--admin-api-key`, repeatable; `$FLEXSERVE_ADMIN_API_KEY`) are the operator's: a
+request with one may load, unload, list and use every tenant's adapters and fine-tuned models,
+and the adapters it loads are shared by every tenant (`request.state.admin`; `is_admin`).
+
 The presented key is hashed once and its digest compared with every configured key's digest with
 `hmac.compare_digest`, with no early exit, so the time taken says nothing about which key (or
 which prefix of one) almost matched, nor about the keys' lengths.
@@ -39,7 +43,8 @@ class APIKey:
     """One configured key, kept only as its digest."""
 
     digest: bytes  # sha256 of the key's UTF-8 bytes
-    tenant: str | None  # the tenant its requests are charged to; None: the request's own `user`
+    tenant: str | None  # the tenant its requests are charged to; None: the default tenant
+    admin: bool = False  # an operator's key: every tenant's models (module docstring)
 
 
 def _digest(key: bytes) -> bytes:
@@ -49,10 +54,16 @@ def _digest(key: bytes) -> bytes:
 class APIKeyTable:
     """The configured API keys; `match` finds the key a request presents in constant time."""
 
-    def __init__(self, keys: Iterable[tuple[str, str | None]]) -> None:
-        """`keys`: (key, tenant or None) pairs; ValueError on an empty key, a bad tenant name or
-        one key given to two tenants."""
+    def __init__(self, keys: Iterable[tuple[str, str | None]],
+                 admin_keys: Iterable[str] = ()) -> None:
+        """`keys`: (key, tenant or None) pairs; `admin_keys`: the operator's keys. ValueError on
+        an empty key, a bad tenant name or one key given twice with different roles."""
         tenants: dict[str, str | None] = {}
+        admins = set()
+        for key in admin_keys:
+            if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+                raise ValueError("an API key must be a non-empty string without whitespace")
+            admins.add(key)
         for key, tenant in keys:
             if not isinstance(key, str) or not key or any(c.isspace() for c in key):
                 raise ValueError("an API key must be a non-empty string without whitespace")
@@ -62,10 +73,13 @@ class APIKeyTable:
             if key in tenants and tenants[key] != tenant:
                 raise ValueError(f"an API key is given twice, for tenants {tenants[key]!r} and "
                                  f"{tenant!r}")
+            if key in admins:
+                raise ValueError("an API key is given both as an admin key and as a tenant's")
             tenants[key] = tenant
-        if not tenants:
+        if not tenants and not admins:
             raise ValueError("no API keys given")
-        self._keys = tuple(APIKey(_digest(k.encode()), t) for k, t in tenants.items())
+        self._keys = (tuple(APIKey(_digest(k.encode()), t) for k, t in tenants.items())
+                      + tuple(APIKey(_digest(k.encode()), None, admin=True) for k in admins))
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -87,13 +101,15 @@ class APIKeyTable:
 
     @classmethod
     def from_sources(cls, keys: Sequence[str] | None = None, key_file: str | None = None,
-                     ) -> APIKeyTable | None:
-        """The keys of `--api-key` values (plain keys, no tenant) and of `--api-key-file`;
-        None when neither gives any (the API is then open). ValueError names a bad line."""
+                     admin_keys: Sequence[str] | None = None) -> APIKeyTable | None:
+        """The keys of `--api-key` values (plain keys, no tenant), of `--api-key-file` and of
+        `--admin-api-key`; None when none gives any (the API is then open). ValueError names a
+        bad line."""
         pairs: list[tuple[str, str | None]] = [(key, None) for key in keys or () if key]
         if key_file is not None:
             pairs.extend(read_api_key_file(key_file))
-        return cls(pairs) if pairs else None
+        admins = [key for key in admin_keys or () if key]
+        return cls(pairs, admins) if pairs or admins else None
 
 
 def read_api_key_file(path: str) -> list[tuple[str, str | None]]:
@@ -137,6 +153,11 @@ def owner_tenant(request: Any) -> str:
     return getattr(request.state, "tenant", None) or DEFAULT_TENANT
 
 
+def is_admin(request: Any) -> bool:
+    """Whether the request came with an admin key (`--admin-api-key`)."""
+    return getattr(request.state, "admin", False) is True
+
+
 def bearer_token(authorization: bytes | None) -> bytes | None:
     """The token of an `Authorization: Bearer <token>` header (scheme case-insensitive)."""
     if authorization is None or authorization[:len(_BEARER)].lower() != _BEARER:
@@ -171,9 +192,12 @@ class APIKeyMiddleware:
         token = bearer_token(header)
         key = None if token is None else self.keys.match(token)
         if key is not None:
+            # Starlette's `request.state` is this dict (uvicorn gives each request a copy).
+            state = scope.setdefault("state", {})
             if key.tenant is not None:
-                # Starlette's `request.state` is this dict (uvicorn gives each request a copy).
-                scope.setdefault("state", {})["tenant"] = key.tenant
+                state["tenant"] = key.tenant
+            if key.admin:
+                state["admin"] = True
             await self.app(scope, receive, send)
             return
         message = ("Incorrect API key provided." if header is not None

@@ -5,7 +5,9 @@ model or LoRA adapter is 404, a bad API key 401, an oversized body 413, a reques
 --request-timeout-s 408, one whose processing failed 500 `request_failed`. An unexpected
 exception is a 500 whose body says only that, with an error id (also in the `x-request-id`
 header): the stack trace and whatever the exception's message holds (local paths, tensor
-shapes) go to the server log under that id, never to the client.
+shapes) go to the server log under that id, never to the client. Such a 500 carries
+`Connection: close` and the server closes the connection after it, so a client's connection pool
+never reuses a connection the server is about to drop (`InternalErrorMiddleware`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flexserve.engine.adapter_manager import AdapterLoadError, AdapterNotFoundError
 from flexserve.engine.async_engine import (
@@ -38,7 +42,8 @@ class APIError(Exception):
     """An error to return to the client as-is."""
 
     def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -46,6 +51,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.error_id: str | None = None  # set on internal errors: the id in the server log
+        self.headers = dict(headers or {})  # extra response headers (Retry-After on a 429)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -158,8 +164,11 @@ def _param_of(loc: tuple) -> str:
 # ----------------------------------------------------------------------------------- handlers
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    headers = None if exc.error_id is None else {"x-request-id": exc.error_id}
-    return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, headers)
+    headers = dict(exc.headers)
+    if exc.error_id is not None:
+        headers["x-request-id"] = exc.error_id
+    return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code,
+                          headers or None)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -178,17 +187,30 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
     except ValueError:
         phrase = "Error"
     detail = exc.detail if exc.detail and exc.detail != phrase else None
+    headers = exc.headers
     if status == 404:
         message = f"Not found: {request.method} {request.url.path}"
         code = "not_found"
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}."
         code = "method_not_allowed"
+        # Starlette names the methods of the first route on the path; a path has several.
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
     else:
         message = detail or phrase
         code = phrase.lower().replace(" ", "_")
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return error_response(status, message, kind, None, code, headers=exc.headers)
+    return error_response(status, message, kind, None, code, headers=headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the app serves on the request's path."""
+    methods: set[str] = set()
+    for route in getattr(request.app, "routes", ()):
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 async def _to_api_error(request: Request, exc: Exception) -> JSONResponse:
@@ -215,3 +237,37 @@ EXCEPTION_HANDLERS = {
     RequestFailedError: _to_api_error,
     Exception: _internal_error,
 }
+
+
+class InternalErrorMiddleware:
+    """Turns an exception no handler took into the generic 500 (`internal_error`) with
+    `Connection: close`, instead of letting it reach the server, which would drop the connection
+    without a response. A response that has started already can only be cut short: the
+    connection is closed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as e:
+            error = internal_error(e, f"{scope.get('method')} {scope.get('path')}")
+            if started:
+                raise
+            response = error_response(error.status_code, error.message, error.type,
+                                      code=error.code,
+                                      headers={"x-request-id": error.error_id or "",
+                                               "Connection": "close"})
+            await response(scope, receive, send)

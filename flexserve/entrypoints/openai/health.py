@@ -4,6 +4,9 @@ Degraded while the server drains for a shutdown, while it refuses generation req
 request limit, and for `RECENT_FAILURE_S` after a fine-tuning job failed (the engine and the other
 jobs carry on, but an operator should see it). Load balancers that only read the status code keep
 routing to a degraded server; those that read `status` can prefer healthier replicas.
+
+`/health` answers without an API key, so it names no job (a tenant's) unless the operator asked
+for job ids (`--metrics-job-ids`); the failed job's own events say why it failed.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ class HealthMonitor:
     """Remembers recent fine-tuning job failures (fed on the engine thread by a fine-tuning
     listener) and builds the `/health` body from them and the admission state."""
 
-    def __init__(self, recent_failure_s: float = RECENT_FAILURE_S) -> None:
+    def __init__(self, recent_failure_s: float = RECENT_FAILURE_S, job_ids: bool = False,
+                 ) -> None:
         self.recent_failure_s = recent_failure_s
+        self.job_ids = job_ids  # name failed jobs (and their errors) in the reasons
         self._lock = threading.Lock()  # the engine thread appends, the event loop reads
         # (time.monotonic(), job id, message) of the newest failures
         self._job_failures: collections.deque[tuple[float, str, str]] = collections.deque(
@@ -71,7 +76,8 @@ class HealthMonitor:
                 reasons.append(f"at the request limit ({admission.limits.max_num_requests} in "
                                "flight): new generation requests get 429")
         for job_id, message in self.recent_job_failures():
-            reasons.append(f"fine-tuning job {job_id} failed: {message}")
+            reasons.append(f"fine-tuning job {job_id} failed: {message}" if self.job_ids
+                           else "a fine-tuning job failed (its events say why)")
         body.reasons = reasons
         body.status = "degraded" if reasons else "ok"
         return body

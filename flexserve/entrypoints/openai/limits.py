@@ -10,7 +10,20 @@ per tenant (the API key's, `request.state.tenant`; "default" without one) agains
 - `max_num_requests_per_tenant` (`--max-requests-per-tenant`): one tenant's share.
 
 A request past either limit is refused before its body is read: 429 in OpenAI's error shape
-with `Retry-After` (seconds, the recent mean request duration rounded up, in [1, 60]). While the
+with `Retry-After` (seconds, the recent mean request duration rounded up, in [1, 60]).
+
+Requests differ in cost, so admitted generation requests are also charged what they queue
+(`charge`): their sequences (prompts x `n`) and tokens (each sequence's prompt plus its
+`max_tokens`), against
+
+- `max_num_sequences`: all tenants together (the server sets it to `max_num_seqs +
+  --max-queue-len`, as for requests);
+- `max_num_sequences_per_tenant` (`--max-seqs-per-tenant`) and `max_num_tokens_per_tenant`
+  (`--max-tokens-per-tenant`): one tenant's share.
+
+Sequences are charged before the prompts are tokenized, tokens after; past a limit the request is
+refused with 429 and Retry-After, and a request that could never fit (alone over a limit) with
+400. While the
 server drains, every counted request is refused with 503 (and `Connection: close`).
 
 A request's slot is released just before its response's last body chunk is sent, so a client
@@ -44,9 +57,13 @@ class AdmissionLimits:
 
     max_num_requests: int | None = None  # generation requests in flight, all tenants together
     max_num_requests_per_tenant: int | None = None  # generation requests in flight per tenant
+    max_num_sequences: int | None = None  # sequences (prompts x n) in flight, all tenants
+    max_num_sequences_per_tenant: int | None = None  # sequences in flight per tenant
+    max_num_tokens_per_tenant: int | None = None  # prompt + max_tokens of those, per tenant
 
     def __post_init__(self) -> None:
-        for name in ("max_num_requests", "max_num_requests_per_tenant"):
+        for name in ("max_num_requests", "max_num_requests_per_tenant", "max_num_sequences",
+                     "max_num_sequences_per_tenant", "max_num_tokens_per_tenant"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value <= 0):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -70,6 +87,8 @@ class Ticket:
     generation: bool  # counted against the generation limits
     start: float  # time.monotonic() at admission
     released: bool = False  # its counts were given back
+    num_sequences: int = 0  # sequences charged to it (`charge`)
+    num_tokens: int = 0  # tokens charged to it
 
 
 class AdmissionController:
@@ -82,6 +101,9 @@ class AdmissionController:
         self.on_reject = on_reject  # called with the error code of every refusal (metrics)
         self.num_in_flight = 0  # counted requests of any route
         self.num_generation_in_flight = 0  # generation requests
+        self.num_sequences_in_flight = 0  # sequences charged by generation requests
+        self.tenant_sequences: Counter[str] = Counter()  # sequences in flight per tenant
+        self.tenant_tokens: Counter[str] = Counter()  # tokens in flight per tenant
         self.tenant_in_flight: Counter[str] = Counter()  # generation requests per tenant
         self.num_rejected: Counter[str] = Counter()  # refusals by code
         self.draining = False  # set once by a graceful shutdown; never cleared
@@ -118,11 +140,54 @@ class AdmissionController:
             self._idle.clear()
         return Ticket(tenant, generation, time.monotonic())
 
+    def charge(self, ticket: Ticket, num_sequences: int = 0, num_tokens: int = 0,
+               ) -> Rejection | None:
+        """Charge an admitted request `num_sequences` more sequences and `num_tokens` more
+        tokens, or say why not (429 past a limit now, 400 when it could never fit)."""
+        if ticket.released:
+            return None
+        limits, tenant = self.limits, ticket.tenant
+        checks = (
+            (limits.max_num_sequences_per_tenant, ticket.num_sequences + num_sequences,
+             self.tenant_sequences[tenant] + num_sequences, "sequences",
+             f"tenant {tenant!r}'s limit (--max-seqs-per-tenant)", "tenant_rate_limit_exceeded"),
+            (limits.max_num_tokens_per_tenant, ticket.num_tokens + num_tokens,
+             self.tenant_tokens[tenant] + num_tokens, "tokens (prompt plus max_tokens)",
+             f"tenant {tenant!r}'s limit (--max-tokens-per-tenant)",
+             "tenant_rate_limit_exceeded"),
+            (limits.max_num_sequences, ticket.num_sequences + num_sequences,
+             self.num_sequences_in_flight + num_sequences, "sequences",
+             "the server's limit (running plus --max-queue-len queued)", "too_many_requests"),
+        )
+        for limit, own, total, what, whose, code in checks:
+            if limit is None:
+                continue
+            if own > limit:
+                return self._reject(400, f"The request alone has {own} {what} (prompts x n), "
+                                         f"over {whose} of {limit}: split it.",
+                                    "request_too_large")
+            if total > limit:
+                return self._reject(429, f"The request's {what} would exceed {whose} of {limit} "
+                                         "in flight; retry after the Retry-After delay.", code)
+        ticket.num_sequences += num_sequences
+        ticket.num_tokens += num_tokens
+        self.num_sequences_in_flight += num_sequences
+        self.tenant_sequences[tenant] += num_sequences
+        self.tenant_tokens[tenant] += num_tokens
+        return None
+
     def release(self, ticket: Ticket) -> None:
         """Give the request's counts back (once)."""
         if ticket.released:
             return
         ticket.released = True
+        if ticket.num_sequences or ticket.num_tokens:
+            self.num_sequences_in_flight -= ticket.num_sequences
+            for counter, amount in ((self.tenant_sequences, ticket.num_sequences),
+                                    (self.tenant_tokens, ticket.num_tokens)):
+                counter[ticket.tenant] -= amount
+                if counter[ticket.tenant] <= 0:
+                    del counter[ticket.tenant]
         self.num_in_flight -= 1
         if ticket.generation:
             self.num_generation_in_flight -= 1
@@ -202,6 +267,7 @@ class AdmissionMiddleware:
             return
         ticket = decision
         controller = self.controller
+        scope.setdefault("state", {})["admission_ticket"] = ticket  # for `charge` by handlers
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
+from pydantic_core import core_schema
 
 from flexserve.entrypoints.openai.health import HealthStatus
 from flexserve.entrypoints.openai.protocol import (
@@ -34,16 +35,30 @@ from flexserve.entrypoints.openai.protocol_finetune import (
 _ERRORS = {
     "400": "Invalid JSON, schema violation or bad value",
     "401": "Missing or wrong API key",
-    "404": "Unknown model or LoRA adapter",
+    "403": "A shared adapter that only an admin key may unload",
+    "404": "Unknown model or LoRA adapter (or another tenant's)",
     "408": "The request ran past --request-timeout-s and was aborted",
     "413": "Request body too large",
-    "429": "Over --max-queue-len or --max-requests-per-tenant; retry after Retry-After seconds",
+    "429": ("Over a request, sequence or token limit (--max-queue-len, --max-requests-per-tenant, "
+            "--max-seqs-per-tenant, --max-tokens-per-tenant) or the preparation queue; retry "
+            "after Retry-After seconds"),
     "500": "The server failed on this request (the body names an error id, never details)",
     "503": "The engine has stopped, or the server is shutting down (new requests refused)",
 }
 # Sent with 429 and with the 503 of a draining server.
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying",
                                 "schema": {"type": "string"}}}
+
+
+class _Int64JsonSchema(GenerateJsonSchema):
+    """Every integer states the 64-bit range the server accepts (request_body.py refuses larger
+    ones), unless the field has tighter bounds of its own."""
+
+    def int_schema(self, schema: core_schema.IntSchema) -> JsonSchemaValue:
+        json_schema = super().int_schema(schema)
+        json_schema.setdefault("minimum", -(2**63))
+        json_schema.setdefault("maximum", 2**63 - 1)
+        return json_schema
 
 
 def build_openapi(version: str, api_key_required: bool, finetune: bool = False
@@ -59,7 +74,8 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
         models += [FileObject, FileList, FileDeleted, FineTuningJobCreateRequest, FineTuningJob,
                    FineTuningJobList, FineTuningJobEventList, FineTuningJobCheckpointList]
     refs, schema = models_json_schema(
-        [(model, "validation") for model in models], ref_template="#/components/schemas/{model}"
+        [(model, "validation") for model in models], ref_template="#/components/schemas/{model}",
+        schema_generator=_Int64JsonSchema,
     )
 
     def ref(model: type[BaseModel]) -> dict[str, Any]:
@@ -133,10 +149,10 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
 
     paths["/v1/load_lora_adapter"] = lora_admin(
         "Load a LoRA adapter (PEFT directory) and serve it under `lora_name`",
-        LoadLoRAAdapterRequest, ("400", "401", "503"))
+        LoadLoRAAdapterRequest, ("400", "401", "404", "503"))
     paths["/v1/unload_lora_adapter"] = lora_admin(
         "Stop serving a LoRA adapter; requests already using it finish first",
-        UnloadLoRAAdapterRequest, ("400", "401", "404", "503"))
+        UnloadLoRAAdapterRequest, ("400", "401", "403", "404", "503"))
     if finetune:
         paths.update(_finetune_paths(security, ref, json_body, errors))
     return {
@@ -180,7 +196,7 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
                                 "description": "JSONL training data (text, prompt/completion "
                                                "or chat messages); at most --max-upload-mb"},
                        "purpose": {"type": "string", "enum": ["fine-tune"]}}}}}
-    ok, missing = ("400", "401"), ("400", "401", "404")
+    ok, missing = ("400", "401", "429"), ("400", "401", "404")
     return {
         "/v1/files": {
             "post": operation("Upload a training file (validated as JSONL)", FileObject, ok,

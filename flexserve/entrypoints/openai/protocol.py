@@ -57,25 +57,31 @@ class UsageInfo(OpenAIModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+def _bounded(default: Any, **bounds: float) -> Any:
+    """A field whose range `SamplingParams` checks (the one source of truth, with its own
+    messages), stated in the JSON schema too so that schema-driven clients send valid values."""
+    return Field(default=default, json_schema_extra=bounds)
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
 
-    frequency_penalty: float | None = 0.0
-    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = _bounded(0.0, minimum=-2.0, maximum=2.0)
+    presence_penalty: float | None = _bounded(0.0, minimum=-2.0, maximum=2.0)
     n: int | None = Field(default=1, ge=1, le=128)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None  # None: 1.0 as OpenAI
-    top_p: float | None = None  # None: 1.0
-    user: str | None = None
+    temperature: float | None = _bounded(None, minimum=0.0)  # None: 1.0 as OpenAI
+    top_p: float | None = _bounded(None, exclusiveMinimum=0.0, maximum=1.0)  # None: 1.0
+    user: str | None = None  # the end user's id: recorded, never an account (the key's tenant is)
     logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = _bounded(None, minimum=-1)
+    min_p: float | None = _bounded(None, minimum=0.0, maximum=1.0)
+    repetition_penalty: float | None = _bounded(None, exclusiveMinimum=0.0)
+    min_tokens: int = _bounded(0, minimum=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -91,7 +97,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None  # accepted only equal to n: not supported otherwise
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    max_tokens: int | None = 16
+    max_tokens: int | None = _bounded(16, minimum=1)
     suffix: str | None = None  # accepted only empty: not supported
 
 
@@ -155,8 +161,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = _bounded(None, minimum=1)  # deprecated: max_completion_tokens
+    max_completion_tokens: int | None = _bounded(None, minimum=1)
     response_format: ResponseFormat | None = None  # only {"type": "text"}
     tools: list[dict[str, Any]] | None = None  # accepted only empty: no tool calling
     tool_choice: str | dict[str, Any] | None = None

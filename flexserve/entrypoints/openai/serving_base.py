@@ -13,7 +13,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flexserve.engine.async_engine import AsyncLLMEngine
-from flexserve.engine.fairness import resolve_tenant
 from flexserve.engine.llm_engine import PreparedRequest
 from flexserve.entrypoints.openai.auth import owner_tenant
 from flexserve.entrypoints.openai.errors import (
@@ -24,6 +23,7 @@ from flexserve.entrypoints.openai.errors import (
     to_api_error,
     value_error,
 )
+from flexserve.entrypoints.openai.offload import Offload
 from flexserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from flexserve.outputs import PositionLogprobs, RequestOutput
 from flexserve.sampling_params import SamplingParams
@@ -40,13 +40,39 @@ class OpenAIServing:
     """Base of the endpoint handlers: one engine, the names it is served under."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
-                 model_access: Callable[[str, str], bool] | None = None) -> None:
+                 model_access: Callable[[str, Request], bool] | None = None,
+                 offload: Offload | None = None) -> None:
         self.engine = engine
+        # worker threads for tokenizing and chat templates (offload.py); None: run inline
+        self.offload = offload
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.info.max_model_len
-        # (adapter name, owner tenant) -> whether that tenant may use it (a job's fine-tuned
-        # models are its tenant's); None: every adapter serves everyone
+        # (adapter name, request) -> whether the request's caller may use it (model_access.py:
+        # adapters and fine-tuned models belong to tenants); None: every adapter serves everyone
         self.model_access = model_access
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the offload workers (inline without them): tokenization and chat
+        templates never hold the event loop."""
+        if self.offload is None:
+            return fn(*args)
+        return await self.offload.run(fn, *args)
+
+    def charge_admission(self, raw_request: Request, num_sequences: int = 0,
+                         num_tokens: int = 0) -> None:
+        """Charge the request what it queues (`limits.AdmissionController.charge`); 429 with
+        Retry-After past a tenant's or the server's limit, 400 when it could never fit."""
+        ticket = getattr(raw_request.state, "admission_ticket", None)
+        admission = getattr(raw_request.app.state, "admission", None)
+        if ticket is None or admission is None:
+            return
+        rejection = admission.charge(ticket, num_sequences, num_tokens)
+        if rejection is None:
+            return
+        if rejection.status_code == 429:
+            raise APIError(429, rejection.message, "rate_limit_error", code=rejection.code,
+                           headers={"Retry-After": str(rejection.retry_after_s)})
+        raise APIError(rejection.status_code, rejection.message, code=rejection.code)
 
     def check_model(self, model: str, raw_request: Request) -> str | None:
         """The LoRA adapter `model` names (None for the base model); 404 for unknown names and
@@ -54,7 +80,7 @@ class OpenAIServing:
         if model in self.served_model_names:
             return None
         if self.engine.lora_enabled and model in {r.lora_name for r in self.engine.list_loras()}:
-            if self.model_access is None or self.model_access(model, owner_tenant(raw_request)):
+            if self.model_access is None or self.model_access(model, raw_request):
                 return model
         raise model_not_found(model)
 
@@ -148,10 +174,11 @@ class OpenAIServing:
         return [(token_id, self.token_text(token_id, entry), lp.logprob) for token_id, lp in best]
 
 
-def tenant_of(user: str | None, raw_request: Request) -> str:
-    """The fair-share account of a request: its `user` field, else the API key's tenant (set on
-    `request.state` by the auth layer), else the default tenant."""
-    return resolve_tenant(user, getattr(raw_request.state, "tenant", None))
+def tenant_of(raw_request: Request) -> str:
+    """The fair-share account of a request: its API key's tenant (`auth.owner_tenant`). The
+    request's `user` field is an end-user id the client chose: it is never an account, or any
+    client could charge its work to another tenant, or grow the counters without bound."""
+    return owner_tenant(raw_request)
 
 
 def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:

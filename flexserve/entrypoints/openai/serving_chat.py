@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from flexserve.engine.llm_engine import PreparedRequest
 from flexserve.entrypoints.openai.errors import bad_request
 from flexserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -42,6 +43,7 @@ from flexserve.entrypoints.openai.serving_base import (
     usage_of,
 )
 from flexserve.outputs import PositionLogprobs, RequestOutput
+from flexserve.sampling_params import SamplingParams
 
 _CONTENT_REQUIRED_ROLES = ("system", "developer", "user")
 
@@ -69,19 +71,12 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_top,
                                       max_tokens_param=max_tokens_param)
 
-        messages = _template_messages(request.messages)
-        processor = self.engine.input_processor
-        try:
-            text = processor.apply_chat_template(
-                messages, request.add_generation_prompt,
-                chat_template_kwargs=request.chat_template_kwargs)
-            token_ids = processor.encode_chat_prompt(text)
-        except ValueError as e:
-            raise bad_request(str(e), param="messages") from e
         request_id = random_id("chatcmpl")
-        prepared = self.prepare(request_id, token_ids, params, "messages", max_tokens_param,
-                                prompt_text=text, lora_name=lora_name,
-                                tenant=tenant_of(request.user, raw_request))
+        self.charge_admission(raw_request, num_sequences=params.n)
+        prepared = await self.off_loop(self._render_and_prepare, request, request_id, params,
+                                       max_tokens_param, lora_name, tenant_of(raw_request))
+        self.charge_admission(raw_request, num_tokens=params.n * (
+            len(prepared.prompt_token_ids) + prepared.max_tokens))
         generator = self.engine.generate(prepared)
         created = now_s()
         if request.stream:
@@ -106,6 +101,22 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(id=request_id, created=created, model=request.model,
                                           choices=choices, usage=usage_of([final]))
         return json_response(response)
+
+    def _render_and_prepare(self, request: ChatCompletionRequest, request_id: str,
+                            params: SamplingParams, max_tokens_param: str,
+                            lora_name: str | None, tenant: str) -> PreparedRequest:
+        """The messages through the chat template, tokenized and validated (off the loop)."""
+        messages = _template_messages(request.messages)
+        processor = self.engine.input_processor
+        try:
+            text = processor.apply_chat_template(
+                messages, request.add_generation_prompt,
+                chat_template_kwargs=request.chat_template_kwargs)
+            token_ids = processor.encode_chat_prompt(text)
+        except ValueError as e:
+            raise bad_request(str(e), param="messages") from e
+        return self.prepare(request_id, token_ids, params, "messages", max_tokens_param,
+                            prompt_text=text, lora_name=lora_name, tenant=tenant)
 
     async def _stream(
         self,

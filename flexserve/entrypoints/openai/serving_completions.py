@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from flexserve.engine.llm_engine import PreparedRequest
 from flexserve.entrypoints.openai.errors import bad_request
 from flexserve.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -30,6 +31,9 @@ from flexserve.entrypoints.openai.serving_base import (
     usage_of,
 )
 from flexserve.outputs import PositionLogprobs, RequestOutput
+from flexserve.sampling_params import SamplingParams
+
+MAX_PROMPTS_PER_REQUEST = 2048  # a list of prompts is batched work: bounded like OpenAI's batches
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -50,12 +54,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs=logprobs if echo and logprobs is not None else None,
         )
         request_id = random_id("cmpl")
-        tenant = tenant_of(request.user, raw_request)
-        prepared = [
-            self.prepare(f"{request_id}-{i}", prompt, params, "prompt", "max_tokens",
-                         lora_name=lora_name, tenant=tenant)
-            for i, prompt in enumerate(prompts)
-        ]
+        tenant = tenant_of(raw_request)
+        self.charge_admission(raw_request, num_sequences=len(prompts) * n)
+        prepared = await self.off_loop(self._prepare_all, request_id, prompts, params,
+                                       lora_name, tenant)
+        self.charge_admission(raw_request, num_tokens=n * sum(
+            len(p.prompt_token_ids) + p.max_tokens for p in prepared))
         generators = [self.engine.generate(p) for p in prepared]
         created = now_s()
         formatter = _ChoiceFormatter(self, n, logprobs, echo)
@@ -73,6 +77,12 @@ class OpenAIServingCompletion(OpenAIServing):
         response = CompletionResponse(id=request_id, created=created, model=request.model,
                                       choices=choices, usage=usage_of(finals))
         return json_response(response)
+
+    def _prepare_all(self, request_id: str, prompts: list, params: SamplingParams,
+                     lora_name: str | None, tenant: str) -> list[PreparedRequest]:
+        return [self.prepare(f"{request_id}-{i}", prompt, params, "prompt", "max_tokens",
+                             lora_name=lora_name, tenant=tenant)
+                for i, prompt in enumerate(prompts)]
 
     async def _stream(
         self,
@@ -205,4 +215,8 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
         raise bad_request("prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         return [prompt]  # type: ignore[list-item]
+    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+        raise bad_request(f"prompt holds {len(prompt)} prompts; at most "
+                          f"{MAX_PROMPTS_PER_REQUEST} are allowed in one request",
+                          param="prompt", code="invalid_value")
     return list(prompt)

@@ -69,7 +69,8 @@ async def create_file(request: Request) -> Response:
     if tokenizer is None:
         raise bad_request("This model has no tokenizer, so training files cannot be read.")
     try:
-        await asyncio.to_thread(load_training_data, content, tokenizer, service.max_finetune_len)
+        await request.app.state.offload.run(load_training_data, content, tokenizer,
+                                            service.max_finetune_len)
     except ValueError as e:
         raise bad_request(f"Invalid file format for fine-tuning: {e}", param="file",
                           code="invalid_file_format") from e

@@ -18,15 +18,16 @@ rank, alpha and target modules, and reports them in `lora`.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import time
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flexserve.entrypoints.openai.auth import owner_tenant
+from flexserve.entrypoints.openai.auth import is_admin, owner_tenant
 from flexserve.entrypoints.openai.errors import APIError, bad_request
+from flexserve.entrypoints.openai.model_access import check_name
+from flexserve.entrypoints.openai.offload import Offload
 from flexserve.entrypoints.openai.protocol_finetune import (
     FineTuningJob,
     FineTuningJobCheckpoint,
@@ -36,15 +37,16 @@ from flexserve.entrypoints.openai.protocol_finetune import (
     FineTuningJobEventList,
     FineTuningJobList,
 )
+from flexserve.entrypoints.openai.request_body import read_json
 from flexserve.entrypoints.openai.serving_base import json_response
 from flexserve.entrypoints.openai.serving_files import int_query_param
 from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.records import JobRecord
 from flexserve.finetune.service import FINAL_STATUSES, FinetuneService
-from flexserve.finetune.steps import plan_training_steps
+from flexserve.finetune.steps import check_plan_size
 from flexserve.finetune.store import new_id
-from flexserve.peft.peft_io import parse_lora_config, read_adapter_config
+from flexserve.peft.peft_io import parse_lora_config, read_adapter_config, resolve_adapter_dir
 
 MAX_PAGE_LIMIT = 1000
 _HP_FIELDS = ("batch_size", "learning_rate", "learning_rate_multiplier", "lr_scheduler",
@@ -63,10 +65,10 @@ def _service(request: Request) -> FinetuneService:
 
 # ------------------------------------------------------------------------------------ routes
 async def create_job(request: Request) -> Response:
-    body = FineTuningJobCreateRequest.model_validate_json(await request.body())
+    body = await read_json(FineTuningJobCreateRequest, request)
     service = _service(request)
     tenant = owner_tenant(request)
-    record, data, validation = await _validated_job(service, body, tenant)
+    record, data, validation = await _validated_job(service, body, tenant, request)
     await service.submit(record, data, validation)
     return await _job_response(service, record.id, tenant)
 
@@ -168,7 +170,8 @@ async def _job_response(service: FinetuneService, job_id: str, tenant: str) -> R
 
 # -------------------------------------------------------------------------------- validation
 async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequest,
-                         tenant: str) -> tuple[JobRecord, TrainingData, list[TrainingExample]]:
+                         tenant: str, request: Request,
+                         ) -> tuple[JobRecord, TrainingData, list[TrainingExample]]:
     """The job to store, its tokenized training data and validation examples; 400 when bad."""
     engine = service.engine
     if not engine.lora_enabled:
@@ -184,40 +187,53 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
         hp.lora.init_adapter = init_adapter
     elif hp.lora.init_adapter is not None:
         # A loaded adapter's name is stored as its directory, so a restart needs no lookup.
-        loaded = {r.lora_name: r.lora_path for r in engine.list_loras()}
-        hp.lora.init_adapter = loaded.get(hp.lora.init_adapter, hp.lora.init_adapter)
-        if not os.path.isdir(hp.lora.init_adapter):
-            raise bad_request(f"lora.init_adapter {hp.lora.init_adapter!r} is neither a served "
-                              "adapter's name nor a directory on the server",
-                              param="lora.init_adapter")
+        name = hp.lora.init_adapter
+        access = request.app.state.model_access
+        loaded = {r.lora_name: r.lora_path for r in engine.list_loras()
+                  if access.may_use(r.lora_name, request)}
+        if name in loaded:
+            hp.lora.init_adapter = loaded[name]
+        elif not await asyncio.to_thread(_may_start_from, service, name, tenant,
+                                         is_admin(request)):
+            # One answer for a missing directory, one outside --allowed-adapter-dir and another
+            # tenant's checkpoint: none reveals what exists on the server.
+            raise bad_request(f"lora.init_adapter {name!r} is neither a served adapter's name "
+                              "nor an adapter directory this server may load",
+                              param="lora.init_adapter", code="invalid_value")
     if hp.lora.init_adapter is not None:
-        _adopt_adapter_settings(hp, hp.lora.init_adapter)
+        await asyncio.to_thread(_adopt_adapter_settings, hp, hp.lora.init_adapter)
     max_rank = engine.engine.config.lora.max_lora_rank
     if hp.lora.r > max_rank:
         raise bad_request(f"lora.r {hp.lora.r} exceeds the server's max_lora_rank {max_rank} "
                           "(--max-lora-rank): the job's adapter lives in a LoRA slot",
                           param="lora.r")
-    if body.suffix is not None and (":" in body.suffix or not body.suffix.strip()
-                                    or any(c.isspace() for c in body.suffix)):
-        raise bad_request("suffix must be non-empty, without ':' or whitespace (it becomes part "
-                          "of the model name)", param="suffix", code="invalid_value")
+    if body.suffix is not None:
+        check_name(body.suffix, "suffix", "model name")
+        if ":" in body.suffix:
+            raise bad_request("suffix must be non-empty, without ':' or whitespace (it becomes "
+                              "part of the model name)", param="suffix", code="invalid_value")
     if body.integrations:
         raise bad_request("integrations are not supported by this server (no Weights & Biases "
                           "or other reporting): send none, or an empty list",
                           param="integrations", code="invalid_value")
     if hp.seed is None:
         hp.seed = secrets.randbelow(2**31)  # recorded, so the job can be reproduced
-    data = await _training_data(service, body.training_file, "training_file", hp, tenant)
+    offload = request.app.state.offload
+    data = await _training_data(service, body.training_file, "training_file", hp, tenant,
+                                offload)
     validation: list[TrainingExample] = []
     if body.validation_file is not None:
         content = await _file_content(service, body.validation_file, "validation_file", tenant)
         try:
-            validation = await asyncio.to_thread(service.load_validation, content, hp)
+            validation = await offload.run(service.load_validation, content, hp)
         except ValueError as e:
             raise bad_request(f"invalid validation_file {body.validation_file}: {e}",
                               param="validation_file", code="invalid_validation_file") from e
-    num_steps = len(plan_training_steps(len(data.examples), hp.batch_size, hp.n_epochs,
-                                        hp.shuffle, hp.seed))
+    try:
+        num_steps = check_plan_size(len(data.examples), hp.batch_size, hp.n_epochs)
+    except ValueError as e:
+        raise bad_request(f"Invalid hyper-parameters: {e}", param="hyperparameters.n_epochs",
+                          code="invalid_value") from e
     record = JobRecord(
         id=new_id("ftjob"), model=body.model, training_file=body.training_file,
         validation_file=body.validation_file, hyperparameters=hp.to_dict(), suffix=body.suffix,
@@ -268,6 +284,19 @@ def resolve_hyperparameters(body: FineTuningJobCreateRequest) -> Hyperparameters
                           code="invalid_value") from e
 
 
+def _may_start_from(service: FinetuneService, path: str, tenant: str, admin: bool) -> bool:
+    """Whether a job may start from the adapter directory `path`: the rules of loading one
+    (`--allowed-adapter-dir`, checkpoints of the tenant's own jobs only)."""
+    lora = service.engine.engine.config.lora
+    if not admin and not service.may_load_path(path, tenant):
+        return False
+    try:
+        resolve_adapter_dir(path, lora.allowed_dir_for(path))
+    except ValueError:
+        return False
+    return True
+
+
 def _adopt_adapter_settings(hp: Hyperparameters, path: str) -> None:
     """The job trains the initial adapter as it is: its rank, alpha and targets become the
     job's LoRA settings (what it reports, and what a resume checks)."""
@@ -313,12 +342,11 @@ async def _file_content(service: FinetuneService, file_id: str, param: str,
 
 
 async def _training_data(service: FinetuneService, file_id: str, param: str,
-                         hp: Hyperparameters, tenant: str) -> TrainingData:
+                         hp: Hyperparameters, tenant: str, offload: Offload) -> TrainingData:
     content = await _file_content(service, file_id, param, tenant)
     max_len = min(hp.max_seq_len, service.max_finetune_len)
     try:
-        return await asyncio.to_thread(load_training_data, content, service.engine.tokenizer,
-                                       max_len)
+        return await offload.run(load_training_data, content, service.engine.tokenizer, max_len)
     except ValueError as e:
         raise bad_request(f"invalid {param} {file_id}: {e}", param=param,
                           code=f"invalid_{param}") from e
