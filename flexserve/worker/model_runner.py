@@ -48,6 +48,7 @@ from flexserve.worker.kv_cache import (
 )
 from flexserve.worker.lora_manager import LoRAManager
 from flexserve.worker.mixed_graphs import MixedGraphRunner, MixedStep
+from flexserve.worker.structured_outputs import GrammarManager
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora.serve.cuda_ext import load_for_decode
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
@@ -125,6 +126,16 @@ class ModelRunner:
         # The last plan's sampled tokens, on the device: a continuation plan's inputs
         # (asynchronous scheduling).
         self._last_sampled: torch.Tensor | None = None
+        # Structured outputs: the tokenizer their grammars are compiled against (`set_tokenizer`)
+        # and the matchers, made with the first constrained request.
+        self._tokenizer: Any | None = None
+        self._stop_token_ids: list[int] = []
+        self.grammars: GrammarManager | None = None
+
+    def set_tokenizer(self, tokenizer: Any | None, eos_token_id: int | None) -> None:
+        """The tokenizer structured outputs compile their grammars against; its EOS ends them."""
+        self._tokenizer = tokenizer
+        self._stop_token_ids = [] if eos_token_id is None else [eos_token_id]
 
     def prepare_thread(self) -> None:
         """Per-thread start-up for a thread other than the loading one that runs this runner's
@@ -239,6 +250,8 @@ class ModelRunner:
         result = StepResult()
         rows = plan.sequences
         errors = result.finetune_errors
+        if self.grammars is not None and plan.finished_request_ids:
+            self.grammars.release(plan.finished_request_ids)
         if plan.lora_slot_loads:
             result.lora_load_errors = self._lora().load_slots(plan.lora_slot_loads)
         if finetune:
@@ -342,7 +355,8 @@ class ModelRunner:
                 else:
                     last_token_index = metadata.query_start_loc[1:] - 1
                     index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
-                fill = self._sample(rows, sample_rows, hidden, index, result, deferred)
+                fill = self._sample(rows, sample_rows, hidden, index, result, deferred,
+                                    plan.continues_previous)
             else:
                 self._last_sampled = None
             self._prompt_logprobs(rows, hidden, result)
@@ -473,6 +487,14 @@ class ModelRunner:
                              "--no-enable-lora)")
         return self.lora_manager
 
+    def _grammars(self) -> GrammarManager:
+        if self.grammars is None:
+            if self._tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            self.grammars = GrammarManager(self._tokenizer, self.vocab_size,
+                                           self._stop_token_ids)
+        return self.grammars
+
     def _continuation_input_ids(self, num_rows: int) -> torch.Tensor:
         """The tokens the previous plan sampled, one per row, still on the device."""
         last = self._last_sampled
@@ -501,6 +523,7 @@ class ModelRunner:
         index: torch.Tensor | None,
         result: StepResult,
         deferred: bool = False,
+        continues_previous: bool = False,
     ) -> Callable[[], None] | None:
         """Sample the `sample_rows` of `rows` from `hidden[index]` (None: all of `hidden`).
         `deferred` on CUDA, when only tokens are asked for: they are copied to the host without
@@ -508,6 +531,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if index is None else hidden[index])
         sampled_rows = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
+        if self.grammars is not None or any(
+                r.sampling_params.structured_outputs is not None for r in sampled_rows):
+            previous = self._last_sampled if continues_previous else None
+            metadata.token_bitmask = self._grammars().bitmask(
+                sampled_rows, self.device, None if previous is None else previous.tolist)
         out = self.sampler(logits, metadata)
         # A continuation plan (asynchronous scheduling) feeds these to its rows on the device.
         self._last_sampled = out.sampled_token_ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import threading
 import time
@@ -32,6 +33,7 @@ from flexserve.entrypoints.openai.errors import (
     APIError,
     bad_request,
     error_response,
+    model_not_found,
 )
 from flexserve.entrypoints.openai.health import HealthMonitor
 from flexserve.entrypoints.openai.limits import (
@@ -43,9 +45,12 @@ from flexserve.entrypoints.openai.openapi import build_openapi
 from flexserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     UnloadLoRAAdapterRequest,
     VersionResponse,
     now_s,
@@ -53,6 +58,7 @@ from flexserve.entrypoints.openai.protocol import (
 from flexserve.entrypoints.openai.serving_base import ClientDisconnected, json_response
 from flexserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from flexserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from flexserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from flexserve.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_GRACE_S, GracefulShutdown
 from flexserve.finetune.service import FinetuneService, FinetuneServiceConfig
 from flexserve.metrics import PrometheusStatLogger
@@ -77,6 +83,7 @@ def build_app(
     limits: AdmissionLimits | None = None,
     allowed_origins: Sequence[str] = (),
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """An app serving `engine` under `served_model_name` (default: the model's name).
 
@@ -88,6 +95,7 @@ def build_app(
     tenants) guard `/v1/*`; `limits` bounds the generation requests in flight (429 past them);
     `allowed_origins` turns CORS on for those origins (off by default); a graceful shutdown
     (`app.state.shutdown`) gives requests in flight `shutdown_grace_s` to finish.
+    `tool_call_parser` (a `TOOL_PARSERS` name) reads tool calls under `tool_choice: "auto"`.
     """
     if max_request_body_bytes <= 0:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
@@ -136,6 +144,9 @@ def build_app(
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
@@ -167,7 +178,9 @@ def build_app(
     state.created = now_s()
     model_access = None if service is None else service.may_use_model
     state.completions = OpenAIServingCompletion(engine, [model_name], model_access)
-    state.chat = OpenAIServingChat(engine, [model_name], model_access)
+    state.chat = OpenAIServingChat(engine, [model_name], model_access,
+                                   tool_call_parser=tool_call_parser)
+    state.tokenization = OpenAIServingTokenization(engine, [model_name], model_access)
     state.finetune = service
     state.admission = admission
     state.health_monitor = health_monitor
@@ -215,7 +228,8 @@ async def create_chat_completion(request: Request) -> Response:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
 
-async def list_models(request: Request) -> Response:
+def _model_cards(request: Request) -> list[ModelCard]:
+    """The base model, then the adapters the caller's tenant may see."""
     state = request.app.state
     info = state.engine.info
     cards = [ModelCard(id=state.served_model_name, created=state.created, root=info.name,
@@ -229,7 +243,37 @@ async def list_models(request: Request) -> Response:
         if service is None or (service.may_use_model(lora.lora_name, tenant)
                                and service.is_listed(lora.lora_name))
     )
-    return json_response(ModelList(data=cards))
+    return cards
+
+
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=_model_cards(request)))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """`GET /v1/models/{model}` (`client.models.retrieve`); ids may contain slashes."""
+    model = request.path_params["model"]
+    for card in _model_cards(request):
+        if card.id == model:
+            return json_response(card)
+    raise model_not_found(model)
+
+
+async def tokenize(request: Request) -> Response:
+    body = await request.body()
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None  # the request model's validation reports the bad JSON
+    is_chat = isinstance(parsed, dict) and "messages" in parsed
+    model = TokenizeChatRequest if is_chat else TokenizeCompletionRequest
+    handler = request.app.state.tokenization
+    return json_response(handler.tokenize(model.model_validate_json(body), request))
+
+
+async def detokenize(request: Request) -> Response:
+    body = DetokenizeRequest.model_validate_json(await request.body())
+    return json_response(request.app.state.tokenization.detokenize(body, request))
 
 
 def _adapter_not_found(name: str) -> APIError:
