@@ -38,6 +38,8 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json)
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("the JSON schema is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object")
         for name in ("regex", "grammar"):

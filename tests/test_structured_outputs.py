@@ -315,3 +315,24 @@ def test_without_xgrammar_constraints_are_a_clear_400(client, monkeypatch):
     free = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                           max_tokens=2)
     assert free.choices[0].message.content
+
+
+@pytest.mark.parametrize("field", ["response_format", "guided_json", "tools"])
+def test_deeply_nested_schemas_are_a_400(server, field):
+    import httpx
+
+    depth = 3000
+    schema = '{"type": "array", "items": ' * depth + "{}" + "}" * depth
+    extra = {
+        "response_format": f'"response_format": {{"type": "json_schema", "json_schema": '
+                           f'{{"name": "n", "schema": {schema}}}}}',
+        "guided_json": f'"guided_json": {schema}',
+        "tools": f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": '
+                 f'{schema}}}}}], "tool_choice": "required"',
+    }[field]
+    body = (f'{{"model": "{MODEL}", "max_tokens": 2, '
+            f'"messages": [{{"role": "user", "content": "x"}}], {extra}}}')
+    r = httpx.post(server.url + "/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"

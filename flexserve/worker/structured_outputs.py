@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         elif params.grammar is not None:
             xgr.Grammar.from_ebnf(params.grammar)
+    except RecursionError:
+        raise ValueError("the constraint is nested too deeply for structured outputs") from None
     except Exception as e:  # xgrammar raises RuntimeError or its own types with the reason
         kind = next(k for k in ("json", "regex", "choice", "grammar") if getattr(params, k))
         what = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list",
@@ -75,8 +78,10 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
 
 
 def _first_line(error: Exception) -> str:
+    """The reason without xgrammar's log prefix (`[hh:mm:ss] /path/file.cc:123: `)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    line = text.splitlines()[0] if text else type(error).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)
 
 
 @dataclass

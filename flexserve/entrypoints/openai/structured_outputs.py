@@ -43,6 +43,8 @@ def request_structured_outputs(request: SamplingFields,
             params = StructuredOutputsParams(choice=tuple(request.guided_choice))
         else:
             params = StructuredOutputsParams(grammar=request.guided_grammar)
+    except RecursionError:
+        raise bad_request("the constraint is nested too deeply", param=param) from None
     except ValueError as e:
         raise bad_request(str(e), param=param) from e
     check(params, param)
@@ -84,14 +86,19 @@ def required_tools_params(tools: list[ChatTool], parallel: bool) -> StructuredOu
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
-    params = StructuredOutputsParams(json=json.dumps(schema), strict=False)
-    check(params, "tools")
-    return params
+    return _tool_params(schema, strict=False)
 
 
 def named_tool_params(tool: ChatTool) -> StructuredOutputsParams:
     """A named `tool_choice`: the output is that function's arguments object."""
-    params = StructuredOutputsParams(json=json.dumps(tool_parameters_schema(tool)),
-                                     strict=bool(tool.function.strict))
+    return _tool_params(tool_parameters_schema(tool), strict=bool(tool.function.strict))
+
+
+def _tool_params(schema: dict[str, Any], strict: bool) -> StructuredOutputsParams:
+    try:
+        params = StructuredOutputsParams(json=json.dumps(schema), strict=strict)
+    except RecursionError:
+        raise bad_request("a tool's parameters schema is nested too deeply",
+                          param="tools") from None
     check(params, "tools")
     return params
