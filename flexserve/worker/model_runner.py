@@ -126,6 +126,9 @@ class ModelRunner:
         # The last plan's sampled tokens, on the device: a continuation plan's inputs
         # (asynchronous scheduling).
         self._last_sampled: torch.Tensor | None = None
+        # CUDA: their copy on its way to pinned host memory and the event that marks it landed
+        # (structured outputs read them from there without waiting for the next forward)
+        self._last_sampled_host: tuple[torch.Tensor, torch.cuda.Event] | None = None
         # Structured outputs: the tokenizer their grammars are compiled against (`set_tokenizer`)
         # and the matchers, made with the first constrained request.
         self._tokenizer: Any | None = None
@@ -358,7 +361,7 @@ class ModelRunner:
                 fill = self._sample(rows, sample_rows, hidden, index, result, deferred,
                                     plan.continues_previous)
             else:
-                self._last_sampled = None
+                self._last_sampled = self._last_sampled_host = None
             self._prompt_logprobs(rows, hidden, result)
             return fill
 
@@ -487,6 +490,15 @@ class ModelRunner:
                              "--no-enable-lora)")
         return self.lora_manager
 
+    def _previous_sampled_tokens(self) -> list[int]:
+        """The previous plan's sampled tokens on the host. On CUDA from their copy, which was
+        queued before this step's forward: reading the device tensor would wait for that."""
+        if self._last_sampled_host is not None:
+            host, copied = self._last_sampled_host
+            copied.synchronize()
+            return host.tolist()
+        return self._last_sampled.tolist()
+
     def _grammars(self) -> GrammarManager:
         if self.grammars is None:
             if self._tokenizer is None:
@@ -533,18 +545,20 @@ class ModelRunner:
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
         if self.grammars is not None or any(
                 r.sampling_params.structured_outputs is not None for r in sampled_rows):
-            previous = self._last_sampled if continues_previous else None
             metadata.token_bitmask = self._grammars().bitmask(
-                sampled_rows, self.device, None if previous is None else previous.tolist)
+                sampled_rows, self.device,
+                self._previous_sampled_tokens if continues_previous else None)
         out = self.sampler(logits, metadata)
         # A continuation plan (asynchronous scheduling) feeds these to its rows on the device.
         self._last_sampled = out.sampled_token_ids
+        self._last_sampled_host = None
         sampled = result.sampled_token_ids
         if metadata.max_num_logprobs is None:
             if deferred and self.device.type == "cuda":
                 host = out.sampled_token_ids.to("cpu", non_blocking=True)  # into pinned memory
                 copied = torch.cuda.Event()
                 copied.record()
+                self._last_sampled_host = (host, copied)
 
                 def fill() -> None:
                     copied.synchronize()
