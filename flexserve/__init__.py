@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.outputs import CompletionOutput, Logprob, RequestOutput
-from flexserve.sampling_params import SamplingParams
+from flexserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from flexserve.entrypoints.llm import LLM
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+    "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+    "CompletionOutput", "Logprob",
     "__version__",
 ]
 

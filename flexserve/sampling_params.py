@@ -2,11 +2,55 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): exactly one field is set. The worker
+    compiles it into a grammar and masks, at every step, the tokens the grammar forbids."""
+
+    json: str | None = None  # a JSON schema, as JSON text: the output is a matching document
+    json_object: bool = False  # the output is any JSON object
+    regex: str | None = None  # the output matches this regular expression
+    choice: tuple[str, ...] | None = None  # the output is one of these strings
+    grammar: str | None = None  # the output is a sentence of this EBNF (GBNF) grammar
+    strict: bool = True  # json: no properties beyond those the schema lists
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, "
+                             f"choice or grammar; got {kinds or 'none'}")
+        if self.json is not None:
+            if not isinstance(self.json, str):
+                raise ValueError("structured outputs: json must be a schema as JSON text")
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("the JSON schema is nested too deeply") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string")
+        if self.choice is not None and (
+                not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of "
+                             "non-empty strings")
 
 
 @dataclass(slots=True)
@@ -31,6 +75,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k alternatives per generated token (0: only the chosen)
     prompt_logprobs: int | None = None  # likewise for prompt tokens
     skip_special_tokens: bool = True  # in the detokenized text
+    # token id -> value added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output's form
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +125,16 @@ class SamplingParams:
                 _int_at_least(name, value, 0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
+        if self.logit_bias:
+            for token_id, bias in self.logit_bias.items():
+                _int_at_least("logit_bias token id", token_id, 0)
+                _number("logit_bias value", bias)
+                if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token_id}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -83,7 +83,7 @@ CASES = [
     ("empty-prompt", "POST", C, completion(prompt=""), AUTH, 400, "prompt", "empty"),
     ("token-id-outside-vocab", "POST", C, completion(prompt=[10**7]), AUTH, 400, "prompt",
      "vocabulary"),
-    ("logit-bias-unsupported", "POST", C, completion(logit_bias={"50256": -100}), AUTH, 400,
+    ("logit-bias-outside-vocabulary", "POST", C, completion(logit_bias={"50256": -100}), AUTH, 400,
      "logit_bias", "logit_bias"),
     ("unknown-model", "POST", C, completion(model="gpt-5"), AUTH, 404, "model", "gpt-5"),
     ("prompt-over-context", "POST", C, completion(prompt=[1000] * 1100), AUTH, 400, "prompt",

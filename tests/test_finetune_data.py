@@ -249,15 +249,32 @@ BAD_LINES = [
     (jsonl({"messages": "hi"}), r'line 1: "messages" must be a list, got str'),
     (jsonl({"messages": []}), r'line 1: "messages" is empty'),
     (jsonl({"messages": ["hi"]}), r"line 1: messages\[0\] must be an object, got str"),
-    (jsonl({"messages": [{"role": "tool", "content": "x"}, CHAT[2]]}),
-     r"line 1: messages\[0\] has role 'tool'; supported roles: system, user, assistant"),
+    (jsonl({"messages": [{"role": "function", "content": "x"}, CHAT[2]]}),
+     r"line 1: messages\[0\] has role 'function'; supported roles: system, user, assistant, "
+     r"tool"),
     (jsonl({"messages": [{"content": "x"}, CHAT[2]]}), r"messages\[0\] has role None"),
     (jsonl({"messages": [CHAT[1], {"role": "assistant", "content": [{"type": "text"}]}]}),
      r"line 1: messages\[1\] \(assistant\) content must be a string, got list"),
     (jsonl({"messages": [CHAT[1], {"role": "assistant"}]}),
      r"messages\[1\] \(assistant\) content must be a string, got NoneType"),
-    (jsonl({"messages": [CHAT[1], {"role": "assistant", "content": "x", "name": "bot"}]}),
-     r"line 1: messages\[1\] has unsupported key\(s\) name"),
+    (jsonl({"messages": [CHAT[1], {"role": "assistant", "content": "x", "audio": "bot"}]}),
+     r"line 1: messages\[1\] has unsupported key\(s\) audio"),
+    (jsonl({"messages": [CHAT[1], {"role": "assistant", "tool_calls": []}]}),
+     r"line 1: messages\[1\]: tool_calls must be a non-empty list"),
+    (jsonl({"messages": [CHAT[1], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}),
+     r"messages\[1\].tool_calls\[0\]: arguments are not valid JSON"),
+    (jsonl({"messages": [CHAT[1], {"role": "assistant", "tool_calls": [{"name": "f"}]}]}),
+     r"messages\[1\].tool_calls\[0\] must be"),
+    (jsonl({"messages": [{**CHAT[1], "tool_calls": [{"function": {"name": "f"}}]}, CHAT[2]]}),
+     r"messages\[0\]: tool_calls are only allowed on assistant messages"),
+    (jsonl({"messages": [{**CHAT[1], "tool_call_id": "c"}, CHAT[2]]}),
+     r"messages\[0\]: tool_call_id is only allowed on tool messages"),
+    (jsonl({"messages": CHAT, "tools": {"name": "f"}}), r'line 1: "tools" must be a list'),
+    (jsonl({"messages": CHAT, "tools": [{"type": "function"}]}), r"line 1: tools\[0\] must be"),
+    (jsonl({"messages": CHAT, "parallel_tool_calls": "no"}),
+     r'"parallel_tool_calls" must be a boolean'),
+    (jsonl({"tools": []}), r"line 1: missing key\(s\) messages"),
     (jsonl({"messages": CHAT[:2]}), r'line 1: "messages" has no assistant message'),
     (jsonl({"messages": [CHAT[1], {"role": "assistant", "content": ""}]}),
      r"line 1: messages\[1\]: empty assistant content"),
@@ -345,3 +362,50 @@ def test_the_package_loads_without_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# Qwen2.5's tool-calling template, cut to what decides the text: tools in the system turn,
+# assistant calls as <tool_call> tags, tool results as user turns.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
+    {"role": "assistant", "content": "It is 21 C in Paris."},
+]
+
+
+def test_tool_use_examples_train_the_calls_and_replies_not_the_results():
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    data = load(jsonl({"messages": TOOL_CHAT, "tools": TOOLS, "parallel_tool_calls": False}),
+                max_seq_len=512, tokenizer=tokenizer)
+    (example,) = data.examples
+    rendered = [dict(m) for m in TOOL_CHAT]
+    rendered[1] = {**rendered[1], "content": "", "tool_calls": [{
+        **TOOL_CHAT[1]["tool_calls"][0],
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    text = tokenizer.apply_chat_template(rendered, tools=TOOLS, tokenize=False)
+    assert example.input_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert '"name": "get_weather"' in text.split("<|im_start|>user")[0]  # tools reach it
+    trained = tokenizer.decode([t for t, m in zip(example.input_ids, example.loss_mask) if m])
+    assert trained == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                       "</tool_call><|im_end|>\nIt is 21 C in Paris.<|im_end|>\n")
+    assert "21 C\n</tool_response>" not in trained and "Weather in" not in trained

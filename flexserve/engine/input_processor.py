@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Sequence
 
 from flexserve.sampling_params import SamplingParams
@@ -65,6 +66,21 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt has {len(text)} characters, more than the model's context length "
                 f"(max_model_len) of {self.max_model_len} tokens can hold")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: logit_bias ids inside the vocabulary, and
+        what structured outputs need (the tokenizer and the xgrammar package)."""
+        for token_id in params.logit_bias or {}:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model has "
+                                 "none")
+            if importlib.util.find_spec("xgrammar") is None:
+                raise ValueError("structured outputs need the xgrammar package, which this "
+                                 "server does not have: pip install 'flexserve[structured]'")
 
     def validate(self, text: str | None, token_ids: list[int]) -> tuple[str | None, list[int]]:
         """Checks a tokenized prompt against the context length."""

@@ -134,6 +134,7 @@ class LLMEngine:
         result to `add_prepared_request` there. `final_output_only`: `step` returns no output
         for it until it finished (no per-step output objects; the offline `LLM` uses it).
         """
+        self.input_processor.check_params(params)
         text, token_ids = self.input_processor.process(prompt)
         return PreparedRequest(
             request_id=request_id,

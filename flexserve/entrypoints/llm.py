@@ -23,6 +23,7 @@ from flexserve.entrypoints.engine_builder import build_engine
 from flexserve.finetune.job import FinetuneJob, start_finetune_job
 from flexserve.outputs import RequestOutput
 from flexserve.sampling_params import SamplingParams
+from flexserve.worker.structured_outputs import check_structured_outputs
 
 Message = dict[str, Any]
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
@@ -186,10 +187,13 @@ class LLM:
         if params is None:
             return [SamplingParams()] * len(prompts)
         if isinstance(params, SamplingParams):
-            return [params] * len(prompts)
+            params = [params] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        for p in {id(p): p for p in params}.values():
+            if p.structured_outputs is not None:
+                check_structured_outputs(p.structured_outputs)
         return params
 
     def _run(

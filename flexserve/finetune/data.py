@@ -6,6 +6,8 @@ One JSON object per line, all lines in one of three formats:
 - `{"prompt": p, "completion": c}`: ids = tokenizer(p).input_ids
   + tokenizer(c, add_special_tokens=False).input_ids + [eos]; completion and eos count.
 - `{"messages": [...]}`: the chat template; assistant turns count (`flexserve.finetune.chat`).
+  OpenAI's function-calling examples add `"tools": [...]` (to the template) and may carry
+  `"parallel_tool_calls"` (accepted; the calls are trained as written).
 
 Blank lines are skipped; line numbers in errors and events are the file's 1-based line numbers.
 An example longer than `max_seq_len` keeps its first `max_seq_len` tokens and yields a
@@ -31,7 +33,12 @@ DATA_FORMATS: dict[str, frozenset[str]] = {
     "prompt_completion": frozenset({"prompt", "completion"}),
     "messages": frozenset({"messages"}),
 }
-_KEY_FORMAT = {key: name for name, keys in DATA_FORMATS.items() for key in keys}
+# Keys an object of a format may carry besides its own.
+OPTIONAL_KEYS: dict[str, frozenset[str]] = {
+    "messages": frozenset({"tools", "parallel_tool_calls"}),
+}
+_KEY_FORMAT = {key: name for name, keys in (*DATA_FORMATS.items(), *OPTIONAL_KEYS.items())
+               for key in keys}
 _FORMAT_HELP = '{"text"}, {"prompt", "completion"} or {"messages"}'
 
 
@@ -137,7 +144,10 @@ def encode_example(record: dict[str, Any], data_format: str, tokenizer: Any,
                    ) -> tuple[list[int], list[bool]]:
     """Token ids and loss mask (untruncated) of one validated JSON object of `data_format`."""
     if data_format == "messages":
-        return encode_chat(record["messages"], tokenizer)
+        parallel = record.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise ValueError(f'"parallel_tool_calls" must be a boolean, got {parallel!r}')
+        return encode_chat(record["messages"], tokenizer, record.get("tools"))
     eos = _eos_id(tokenizer)
     if data_format == "text":
         ids = tokenizer(_string(record, "text", allow_empty=False)).input_ids + [eos]

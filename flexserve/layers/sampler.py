@@ -1,4 +1,5 @@
-"""Next-token sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+"""Next-token sampling: grammar bitmasks, logit bias, penalties, temperature, top-k/top-p/min-p,
+per-request seeds, logprobs.
 
 `SamplingMetadata.build` turns the plan rows into tensors once per step (host work); after that
 `Sampler.forward` is tensor work only, with no `.item()` and no host syncs (gpt-fast discipline),
@@ -57,6 +58,12 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # per row: requested top-k logprobs (None: not requested)
     max_num_logprobs: int | None  # max over rows; None when no row wants logprobs
     default_generator_seed: int  # seeds the Sampler's shared generator when it is created
+    logit_bias_rows: torch.Tensor | None = None  # [B] int64 row of each (row, token) bias
+    logit_bias_token_ids: torch.Tensor | None = None  # [B] int64 token the bias applies to
+    logit_bias_values: torch.Tensor | None = None  # [B] float32 value added to that logit
+    # [N, ceil(V / 32)] int32 on the device, set by the runner when a row carries a grammar:
+    # bit j of word w allows token 32 * w + j (all bits set on unconstrained rows)
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -68,7 +75,8 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Tensors for `rows` (the plan rows with `needs_sample`, in order)."""
         all_params = [row.sampling_params for row in rows]
-        if all(p.greedy and p.min_tokens == 0 and not p.has_penalties for p in all_params):
+        if all(p.greedy and p.min_tokens == 0 and not p.has_penalties and not p.logit_bias
+               for p in all_params):
             # The common decode batch: argmax only, so no per-row tensor is needed (each one
             # would be a host-to-device copy per step).
             num_logprobs = [p.logprobs for p in all_params]
@@ -87,8 +95,16 @@ class SamplingMetadata:
         needs_shared_generator = False
         min_tokens_rows: list[int] = []
         min_tokens_token_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_token_ids: list[int] = []
+        bias_values: list[float] = []
         for i, row in enumerate(rows):
             params = row.sampling_params
+            for token_id, bias in (params.logit_bias or {}).items():
+                if token_id < vocab_size:
+                    bias_rows.append(i)
+                    bias_token_ids.append(token_id)
+                    bias_values.append(bias)
             is_greedy = params.greedy
             greedy.append(is_greedy)
             temperature.append(1.0 if is_greedy else params.temperature)
@@ -131,6 +147,9 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
             default_generator_seed=default_generator_seed,
+            logit_bias_rows=_long(bias_rows) if bias_rows else None,
+            logit_bias_token_ids=_long(bias_token_ids) if bias_rows else None,
+            logit_bias_values=_float(bias_values) if bias_rows else None,
         )
 
 
@@ -248,9 +267,22 @@ def to_token_logprobs(
     return result
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits of tokens whose bit is 0 in `bitmask` [N, ceil(V / 32)] int32
+    (xgrammar's layout: bit j of word w is token 32 * w + j); out of place, no host sync."""
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1)[:, :vocab_size]
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """min_tokens masking, then repetition, frequency and presence penalties (out of place)."""
+    """Logit bias and min_tokens masking, then repetition, frequency and presence penalties
+    (out of place)."""
     m = metadata
+    if m.logit_bias_rows is not None:
+        logits = logits.index_put((m.logit_bias_rows, m.logit_bias_token_ids),
+                                  m.logit_bias_values, accumulate=True)
     if m.min_tokens_rows is not None:
         # A device-side fill: a Python-scalar value would mean a host-to-device copy.
         minus_inf = torch.full(m.min_tokens_rows.shape, float("-inf"), device=logits.device)
@@ -318,8 +350,11 @@ class Sampler(torch.nn.Module):
             self._generator = self._new_generator(torch.device(device), seed)
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample from `logits` [N, V]; logprobs come from the raw logits (vLLM's default)."""
+        """Sample from `logits` [N, V]; logprobs come from the raw logits (vLLM's default), after
+        the grammar bitmask (as vLLM applies it before its sampler)."""
         logits = logits.float()
+        if metadata.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, metadata.token_bitmask)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)

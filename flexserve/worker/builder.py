@@ -49,6 +49,7 @@ def build_executor(config: EngineConfig) -> tuple[ModelRunner, Any | None, Model
         eos = getattr(resolved.hf_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+    runner.set_tokenizer(tokenizer, eos)
     info = ModelInfo(
         name=resolved.name,
         vocab_size=runner.vocab_size,

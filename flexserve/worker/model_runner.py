@@ -48,6 +48,7 @@ from flexserve.worker.kv_cache import (
 )
 from flexserve.worker.lora_manager import LoRAManager
 from flexserve.worker.mixed_graphs import MixedGraphRunner, MixedStep
+from flexserve.worker.structured_outputs import GrammarManager
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora.serve.cuda_ext import load_for_decode
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
@@ -125,6 +126,19 @@ class ModelRunner:
         # The last plan's sampled tokens, on the device: a continuation plan's inputs
         # (asynchronous scheduling).
         self._last_sampled: torch.Tensor | None = None
+        # CUDA: their copy on its way to pinned host memory and the event that marks it landed
+        # (structured outputs read them from there without waiting for the next forward)
+        self._last_sampled_host: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        # Structured outputs: the tokenizer their grammars are compiled against (`set_tokenizer`)
+        # and the matchers, made with the first constrained request.
+        self._tokenizer: Any | None = None
+        self._stop_token_ids: list[int] = []
+        self.grammars: GrammarManager | None = None
+
+    def set_tokenizer(self, tokenizer: Any | None, eos_token_id: int | None) -> None:
+        """The tokenizer structured outputs compile their grammars against; its EOS ends them."""
+        self._tokenizer = tokenizer
+        self._stop_token_ids = [] if eos_token_id is None else [eos_token_id]
 
     def prepare_thread(self) -> None:
         """Per-thread start-up for a thread other than the loading one that runs this runner's
@@ -239,6 +253,8 @@ class ModelRunner:
         result = StepResult()
         rows = plan.sequences
         errors = result.finetune_errors
+        if self.grammars is not None and plan.finished_request_ids:
+            self.grammars.release(plan.finished_request_ids)
         if plan.lora_slot_loads:
             result.lora_load_errors = self._lora().load_slots(plan.lora_slot_loads)
         if finetune:
@@ -342,9 +358,10 @@ class ModelRunner:
                 else:
                     last_token_index = metadata.query_start_loc[1:] - 1
                     index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
-                fill = self._sample(rows, sample_rows, hidden, index, result, deferred)
+                fill = self._sample(rows, sample_rows, hidden, index, result, deferred,
+                                    plan.continues_previous)
             else:
-                self._last_sampled = None
+                self._last_sampled = self._last_sampled_host = None
             self._prompt_logprobs(rows, hidden, result)
             return fill
 
@@ -473,6 +490,23 @@ class ModelRunner:
                              "--no-enable-lora)")
         return self.lora_manager
 
+    def _previous_sampled_tokens(self) -> list[int]:
+        """The previous plan's sampled tokens on the host. On CUDA from their copy, which was
+        queued before this step's forward: reading the device tensor would wait for that."""
+        if self._last_sampled_host is not None:
+            host, copied = self._last_sampled_host
+            copied.synchronize()
+            return host.tolist()
+        return self._last_sampled.tolist()
+
+    def _grammars(self) -> GrammarManager:
+        if self.grammars is None:
+            if self._tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            self.grammars = GrammarManager(self._tokenizer, self.vocab_size,
+                                           self._stop_token_ids)
+        return self.grammars
+
     def _continuation_input_ids(self, num_rows: int) -> torch.Tensor:
         """The tokens the previous plan sampled, one per row, still on the device."""
         last = self._last_sampled
@@ -501,6 +535,7 @@ class ModelRunner:
         index: torch.Tensor | None,
         result: StepResult,
         deferred: bool = False,
+        continues_previous: bool = False,
     ) -> Callable[[], None] | None:
         """Sample the `sample_rows` of `rows` from `hidden[index]` (None: all of `hidden`).
         `deferred` on CUDA, when only tokens are asked for: they are copied to the host without
@@ -508,15 +543,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if index is None else hidden[index])
         sampled_rows = rows if len(sample_rows) == len(rows) else [rows[i] for i in sample_rows]
         metadata = SamplingMetadata.build(sampled_rows, self.vocab_size, self.device)
+        if self.grammars is not None or any(
+                r.sampling_params.structured_outputs is not None for r in sampled_rows):
+            metadata.token_bitmask = self._grammars().bitmask(
+                sampled_rows, self.device,
+                self._previous_sampled_tokens if continues_previous else None)
         out = self.sampler(logits, metadata)
         # A continuation plan (asynchronous scheduling) feeds these to its rows on the device.
         self._last_sampled = out.sampled_token_ids
+        self._last_sampled_host = None
         sampled = result.sampled_token_ids
         if metadata.max_num_logprobs is None:
             if deferred and self.device.type == "cuda":
                 host = out.sampled_token_ids.to("cpu", non_blocking=True)  # into pinned memory
                 copied = torch.cuda.Event()
                 copied.record()
+                self._last_sampled_host = (host, copied)
 
                 def fill() -> None:
                     copied.synchronize()

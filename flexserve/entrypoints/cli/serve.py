@@ -12,6 +12,7 @@ from flexserve.entrypoints.cli.args import (
     apply_state_dir,
     engine_config_from_args,
 )
+from flexserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("flexserve.serve")
 
@@ -73,6 +74,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # --- end reliability and security ---
     server.add_argument("--served-model-name", default=None,
                         help="the model name clients use [the --model value]")
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="read tool calls out of replies under tool_choice 'auto': hermes "
+                             "(Qwen2.5, Hermes: <tool_call> tags), llama3_json (Llama 3.x) "
+                             "['auto' refused]")
     server.add_argument("--max-request-body-bytes", type=int, default=10 * 1024 * 1024,
                         help="larger request bodies get 413 [%(default)s]")
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info",
@@ -156,7 +161,8 @@ def serve(args: argparse.Namespace) -> int:
                     max_request_body_bytes=args.max_request_body_bytes, finetune=finetune,
                     api_keys=api_keys, limits=limits, allowed_origins=args.allowed_origins or (),
                     metrics_job_ids=args.metrics_job_ids,
-                    shutdown_grace_s=args.shutdown_grace_s)
+                    shutdown_grace_s=args.shutdown_grace_s,
+                    tool_call_parser=args.tool_call_parser)
     info = engine.info
     url = f"http://{args.host}:{args.port}"
     logger.info("model: %s served as %r | device: %s | dtype: %s | max_model_len: %d",

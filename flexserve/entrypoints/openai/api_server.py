@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import threading
 import time
@@ -33,6 +34,7 @@ from flexserve.entrypoints.openai.errors import (
     InternalErrorMiddleware,
     bad_request,
     error_response,
+    model_not_found,
 )
 from flexserve.entrypoints.openai.health import HealthMonitor
 from flexserve.entrypoints.openai.limits import (
@@ -51,9 +53,12 @@ from flexserve.entrypoints.openai.openapi import build_openapi
 from flexserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     UnloadLoRAAdapterRequest,
     VersionResponse,
     now_s,
@@ -62,6 +67,7 @@ from flexserve.entrypoints.openai.request_body import read_json
 from flexserve.entrypoints.openai.serving_base import ClientDisconnected, json_response
 from flexserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from flexserve.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from flexserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from flexserve.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_GRACE_S, GracefulShutdown
 from flexserve.finetune.service import FinetuneService, FinetuneServiceConfig
 from flexserve.metrics import PrometheusStatLogger
@@ -88,6 +94,7 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     metrics_job_ids: bool = False,
+    tool_call_parser: str | None = None,
 ) -> Starlette:
     """An app serving `engine` under `served_model_name` (default: the model's name).
 
@@ -101,6 +108,7 @@ def build_app(
     (`app.state.shutdown`) gives requests in flight `shutdown_grace_s` to finish.
     `/metrics` and `/health` name jobs and tenants' adapters only with `metrics_job_ids`
     (`--metrics-job-ids`): they answer without a key.
+    `tool_call_parser` (a `TOOL_PARSERS` name) reads tool calls under `tool_choice: "auto"`.
     """
     if max_request_body_bytes <= 0:
         raise ValueError(f"max_request_body_bytes must be positive, got {max_request_body_bytes}")
@@ -153,6 +161,9 @@ def build_app(
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
@@ -194,7 +205,10 @@ def build_app(
     state.offload = offload
     state.completions = OpenAIServingCompletion(engine, [model_name], model_access.may_use,
                                                 offload)
-    state.chat = OpenAIServingChat(engine, [model_name], model_access.may_use, offload)
+    state.chat = OpenAIServingChat(engine, [model_name], model_access.may_use, offload,
+                                   tool_call_parser=tool_call_parser)
+    state.tokenization = OpenAIServingTokenization(engine, [model_name], model_access.may_use,
+                                                   offload)
     state.finetune = service
     state.admission = admission
     state.health_monitor = health_monitor
@@ -242,7 +256,8 @@ async def create_chat_completion(request: Request) -> Response:
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
 
 
-async def list_models(request: Request) -> Response:
+def _model_cards(request: Request) -> list[ModelCard]:
+    """The base model, then the adapters the caller's tenant may see."""
     state = request.app.state
     info = state.engine.info
     access: ModelAccess = state.model_access
@@ -256,7 +271,41 @@ async def list_models(request: Request) -> Response:
                   max_model_len=info.max_model_len)
         for lora in state.engine.list_loras() if access.may_list(lora.lora_name, request)
     )
-    return json_response(ModelList(data=cards))
+    return cards
+
+
+async def list_models(request: Request) -> Response:
+    return json_response(ModelList(data=_model_cards(request)))
+
+
+async def retrieve_model(request: Request) -> Response:
+    """`GET /v1/models/{model}` (`client.models.retrieve`); ids may contain slashes."""
+    model = request.path_params["model"]
+    for card in _model_cards(request):
+        if card.id == model:
+            return json_response(card)
+    raise model_not_found(model)
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's `/tokenize`: a prompt, or messages through the chat template. Parsed, templated and
+    tokenized on the offload workers (request_body.py, offload.py), as generation requests are."""
+    body = await request.body()
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None  # the request model's validation reports the bad JSON
+    is_chat = isinstance(parsed, dict) and "messages" in parsed
+    model = TokenizeChatRequest if is_chat else TokenizeCompletionRequest
+    parsed_request = await read_json(model, request)
+    handler = request.app.state.tokenization
+    return json_response(await handler.off_loop(handler.tokenize, parsed_request, request))
+
+
+async def detokenize(request: Request) -> Response:
+    body = await read_json(DetokenizeRequest, request)
+    handler = request.app.state.tokenization
+    return json_response(await handler.off_loop(handler.detokenize, body, request))
 
 
 async def load_lora_adapter(request: Request) -> Response:

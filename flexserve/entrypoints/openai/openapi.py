@@ -15,9 +15,15 @@ from flexserve.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     LoadLoRAAdapterRequest,
+    ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
@@ -67,8 +73,10 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
     `finetune`: the files and fine-tuning jobs API is served too."""
     models: list[type[BaseModel]] = [
         CompletionRequest, CompletionResponse, ChatCompletionRequest, ChatCompletionResponse,
-        ChatCompletionStreamResponse, ModelList, VersionResponse, HealthStatus, ErrorResponse,
-        LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+        ChatCompletionStreamResponse, ModelList, ModelCard, VersionResponse, HealthStatus,
+        ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
+        TokenizeCompletionRequest, TokenizeChatRequest, TokenizeResponse, DetokenizeRequest,
+        DetokenizeResponse,
     ]
     if finetune:
         models += [FileObject, FileList, FileDeleted, FineTuningJobCreateRequest, FineTuningJob,
@@ -134,6 +142,26 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
                                {"text/plain": {"schema": {"type": "string"}}}),
     }
     paths["/v1/models"]["get"]["security"] = security
+    paths["/v1/models/{model}"] = simple_get(
+        "Retrieve one served model (the base model or a LoRA adapter)", json_body(ModelCard),
+        errors(("401", "404")))
+    paths["/v1/models/{model}"]["get"].update(security=security, parameters=[
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}])
+
+    def tokenization(summary: str, body: dict[str, Any], response: type[BaseModel]) -> dict:
+        return {"post": {"summary": summary,
+                         "requestBody": {"required": True, "content": body},
+                         "responses": {"200": {"description": "OK",
+                                               "content": json_body(response)},
+                                       **errors(("400", "404"))}}}
+
+    paths["/tokenize"] = tokenization(
+        "Token ids of a prompt, or of chat messages through the chat template (vLLM's shape)",
+        {"application/json": {"schema": {"oneOf": [ref(TokenizeCompletionRequest),
+                                                   ref(TokenizeChatRequest)]}}},
+        TokenizeResponse)
+    paths["/detokenize"] = tokenization("Text of token ids (vLLM's shape)",
+                                        json_body(DetokenizeRequest), DetokenizeResponse)
 
     def lora_admin(summary: str, request: type[BaseModel], codes: tuple[str, ...]) -> dict:
         return {"post": {

@@ -75,8 +75,8 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = _bounded(None, minimum=0.0)  # None: 1.0 as OpenAI
     top_p: float | None = _bounded(None, exclusiveMinimum=0.0, maximum=1.0)  # None: 1.0
-    user: str | None = None  # the end user's id: recorded, never an account (the key's tenant is)
-    logit_bias: dict[str, float] | None = None  # accepted only empty: not supported
+    user: str | None = None  # the end user's id: accepted, never an account (the key's tenant is)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM extras
     top_k: int | None = _bounded(None, minimum=-1)
     min_p: float | None = _bounded(None, minimum=0.0, maximum=1.0)
@@ -86,6 +86,12 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's structured outputs (at most one): a JSON schema, a regex, one of some strings, or an
+    # EBNF grammar the output must follow
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # --------------------------------------------------------------------------------- completions
@@ -97,7 +103,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None  # accepted only equal to n: not supported otherwise
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    max_tokens: int | None = _bounded(16, minimum=1)
+    max_tokens: int | None = _bounded(16, minimum=0)  # 0: with echo, score the prompt only
     suffix: str | None = None  # accepted only empty: not supported
 
 
@@ -150,8 +156,78 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
+class JSONSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: OpenAI's structured outputs."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # True: no properties beyond the schema's
+
+
 class ResponseFormat(OpenAIModel):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed piece of tool call `index`: the first carries its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -163,9 +239,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tokens: int | None = _bounded(None, minimum=1)  # deprecated: max_completion_tokens
     max_completion_tokens: int | None = _bounded(None, minimum=1)
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
-    tools: list[dict[str, Any]] | None = None  # accepted only empty: no tool calling
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    # None: "auto" when tools are given, else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # False: at most one call per response
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -188,6 +266,7 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -213,6 +292,7 @@ class DeltaMessage(OpenAIModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:
@@ -268,6 +348,43 @@ class UnloadLoRAAdapterRequest(OpenAIModel):
     lora_int_id: int | None = None
 
 
+# ------------------------------------------------------------------------------- tokenization
+class TokenizeCompletionRequest(OpenAIModel):
+    """`POST /tokenize` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """`POST /tokenize` with chat messages, rendered by the chat template (vLLM's shape)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIModel):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
 class VersionResponse(OpenAIModel):
     version: str
 
@@ -277,8 +394,10 @@ class HealthResponse(OpenAIModel):
 
 
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, LoadLoRAAdapterRequest,
-                  UnloadLoRAAdapterRequest)
+                  UnloadLoRAAdapterRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                  DetokenizeRequest)
 RESPONSE_MODELS = (
     CompletionResponse, ChatCompletionResponse, ChatCompletionStreamResponse, ModelList,
-    VersionResponse, HealthResponse, ErrorResponse,
+    ModelCard, TokenizeResponse, DetokenizeResponse, VersionResponse, HealthResponse,
+    ErrorResponse,
 )

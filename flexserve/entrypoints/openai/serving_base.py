@@ -26,7 +26,7 @@ from flexserve.entrypoints.openai.errors import (
 from flexserve.entrypoints.openai.offload import Offload
 from flexserve.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from flexserve.outputs import PositionLogprobs, RequestOutput
-from flexserve.sampling_params import SamplingParams
+from flexserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
@@ -91,10 +91,10 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         max_tokens_param: str = "max_tokens",
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's sampling fields as `SamplingParams`; bad values are a 400."""
-        if request.logit_bias:
-            raise bad_request("logit_bias is not supported", param="logit_bias")
+        logit_bias = self._logit_bias(request.logit_bias)
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -120,12 +120,32 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
+                logit_bias=logit_bias,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             error = value_error(e, set(type(request).model_fields))
             if error.param == "max_tokens":
                 error.param = max_tokens_param
             raise error from e
+
+    def _logit_bias(self, logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's `{"token id": bias}` with ids checked against the vocabulary."""
+        if not logit_bias:
+            return None
+        vocab_size = self.engine.input_processor.vocab_size
+        result = {}
+        for key, bias in logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                  param="logit_bias") from None
+            if not 0 <= token_id < vocab_size:
+                raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary "
+                                  f"[0, {vocab_size})", param="logit_bias")
+            result[token_id] = bias
+        return result
 
     def prepare(
         self,

@@ -1,7 +1,12 @@
-"""`POST /v1/completions`: one engine request per prompt, choices indexed prompt_index * n + i."""
+"""`POST /v1/completions`: one engine request per prompt, choices indexed prompt_index * n + i.
+
+`max_tokens: 0` with `echo` scores the prompt without generating (what lm-eval's log-likelihood
+requests send): one token is computed, as the engine always samples, and left out of the answer.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from starlette.requests import Request
@@ -30,6 +35,7 @@ from flexserve.entrypoints.openai.serving_base import (
     tenant_of,
     usage_of,
 )
+from flexserve.entrypoints.openai.structured_outputs import request_structured_outputs
 from flexserve.outputs import PositionLogprobs, RequestOutput
 from flexserve.sampling_params import SamplingParams
 
@@ -49,9 +55,11 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _prompt_list(request.prompt)
         echo = bool(request.echo)
         logprobs = request.logprobs
+        prompt_only = echo and request.max_tokens == 0
         params = self.sampling_params(
-            request, request.max_tokens, logprobs,
+            request, 1 if prompt_only else request.max_tokens, logprobs,
             prompt_logprobs=logprobs if echo and logprobs is not None else None,
+            structured_outputs=request_structured_outputs(request),
         )
         request_id = random_id("cmpl")
         tenant = tenant_of(raw_request)
@@ -61,6 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.charge_admission(raw_request, num_tokens=n * sum(
             len(p.prompt_token_ids) + p.max_tokens for p in prepared))
         generators = [self.engine.generate(p) for p in prepared]
+        if prompt_only:
+            generators = [_prompt_only(g) for g in generators]
         created = now_s()
         formatter = _ChoiceFormatter(self, n, logprobs, echo)
         if request.stream:
@@ -205,6 +215,17 @@ class _ChoiceFormatter:
                 top.setdefault(text, chosen.logprob)  # vLLM: the chosen token is always listed
             lp.top_logprobs.append(top)
         return offset
+
+
+async def _prompt_only(generator: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """The outputs without their generated token: the prompt alone, ended by its length."""
+    async for output in generator:
+        yield dataclasses.replace(output, outputs=[
+            dataclasses.replace(c, text="", token_ids=[], cumulative_logprob=None,
+                                logprobs=None if c.logprobs is None else [],
+                                finish_reason=None if c.finish_reason is None else "length",
+                                stop_reason=None)
+            for c in output.outputs])
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
