@@ -6,17 +6,14 @@ name the line or the field (the data on upload, as for every format)."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import openai
 import pytest
-from test_finetune_api import engine_config, wait_for
 
-from flexserve.entrypoints.engine_builder import build_async_engine
-from flexserve.entrypoints.openai.api_server import ServerThread, build_app
-from flexserve.finetune.service import FinetuneServiceConfig
+import test_finetune_api as api
 
 MODEL = "smollm2"
+server, client = api.server, api.client  # the fixtures: this module's own server
 LORA = {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
 
 
@@ -34,24 +31,6 @@ def jsonl(records: list) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    engine = build_async_engine(engine_config(smollm2_dir), log_stats=False)
-    app = build_app(engine, served_model_name=MODEL, finetune=FinetuneServiceConfig(
-        state_dir=str(tmp_path_factory.mktemp("state")), checkpoint_every_steps=1,
-        max_concurrent_jobs=1))
-    thread = ServerThread(app)
-    url = thread.start()
-    yield SimpleNamespace(url=url, engine=engine)
-    thread.stop()
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def pairs_file(client) -> str:
     return client.files.create(file=("pairs.jsonl", jsonl(PAIRS)), purpose="fine-tune").id
 
@@ -64,7 +43,7 @@ def test_a_dpo_job_echoes_its_method_and_reports_dpo_metrics(client, pairs_file)
         extra_body={"lora": LORA})
     assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.2
     assert job.method.dpo.hyperparameters.n_epochs == 2 and job.method.supervised is None
-    job = wait_for(client, job.id, lambda j: j.status in ("succeeded", "failed"), 300)
+    job = api.wait_for(client, job.id, lambda j: j.status in ("succeeded", "failed"), 300)
     assert job.status == "succeeded", job.error
     metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
                if e.type == "metrics" and "train_loss" in e.data]

@@ -58,9 +58,9 @@ from flexserve.engine.adapter_manager import AdapterNotFoundError, NoFreeSlotErr
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from flexserve.finetune.adapters import (
     checkpoint_model_name,
+    example_logprobs,
     fine_tuned_model_name,
     parse_job_model_name,
-    example_logprobs,
     serve_checkpoint,
     validation_dpo,
     validation_loss,
