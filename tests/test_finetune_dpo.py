@@ -179,3 +179,30 @@ def test_method_and_data_must_agree(llm):
     with pytest.raises(ValueError, match="method must be one of supervised, dpo"):
         llm.finetune(PAIRS, method="ppo")
     assert llm.engine.scheduler.adapter_manager.num_resident == 0
+
+
+def test_a_resumed_dpo_job_keeps_its_reference_and_trains_the_same_adapter(llm, tmp_path):
+    """The checkpoint carries the reference log-probabilities: a job resumed after step 1
+    (its adapter then differs from the reference) ends with the uninterrupted job's adapter."""
+    hp = {"learning_rate": 1e-3, "batch_size": 1, "n_epochs": 1, "shuffle": False,
+          "beta": BETA, "seed": 5}
+    lora = {"target_modules": ["v_proj"], "r": 4, "alpha": 8}
+    whole = llm.finetune(PAIRS[:2], lora=lora, hyperparameters=hp, method="dpo").wait()
+    first = llm.finetune(PAIRS[:2], lora=lora, hyperparameters=hp, method="dpo")
+    while not first.losses:
+        llm.engine.step()
+    checkpoint = first.checkpoint(str(tmp_path / "step-1"))
+    first.cancel()
+    with open(f"{checkpoint}/trainer_state.json") as f:
+        assert len(json.load(f)["reference_logprobs"]) == 4
+    resumed = llm.finetune(PAIRS[:2], lora=lora, hyperparameters=hp, method="dpo",
+                           resume_from=checkpoint).wait()
+    assert not any("Reference log-probabilities" in e for e in resumed.events)
+    assert resumed.losses == whole.losses and len(whole.losses) == 2
+    ours, theirs = (load_saved(j.save(str(tmp_path / j.id))) for j in (resumed, whole))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert ours[key].equal(theirs[key]), key
+    with pytest.raises(ValueError, match="resume it with method dpo"):
+        llm.finetune([{"prompt": "a", "completion": "b"}] * 2, lora=lora,
+                     hyperparameters={"batch_size": 1}, resume_from=checkpoint)

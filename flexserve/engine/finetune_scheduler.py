@@ -608,6 +608,17 @@ class FinetuneScheduler:
     def restore(job: FinetuneJobState, state: TrainerState) -> None:
         """Set a new (not yet added) job to continue where `state` stopped; ValueError when the
         checkpoint belongs to other data or another step plan."""
+        if job.beta is not None:
+            if state.reference_logprobs is None and state.step > 0:
+                raise ValueError("the checkpoint has no reference log-probabilities: it is not "
+                                 "a DPO job's")
+            if (state.reference_logprobs is not None
+                    and len(state.reference_logprobs) != len(job.sequences)):
+                raise ValueError(f"the checkpoint has {len(state.reference_logprobs)} reference "
+                                 f"log-probabilities for {len(job.sequences)} sequences")
+            job.reference_logprobs = state.reference_logprobs
+        elif state.reference_logprobs is not None:
+            raise ValueError("the checkpoint is a DPO job's: resume it with method dpo")
         if state.num_steps != job.num_steps:
             raise ValueError(f"the checkpoint's job plans {state.num_steps} optimizer steps, this "
                              f"job {job.num_steps}: resume with the same data, batch_size and "
@@ -620,17 +631,6 @@ class FinetuneScheduler:
         if state.num_sequences_started != expected:
             raise ValueError(f"the checkpoint started {state.num_sequences_started} sequences in "
                              f"{state.step} steps; this job's steps hold {expected}")
-        if job.beta is not None:
-            if state.reference_logprobs is None and state.step > 0:
-                raise ValueError("the checkpoint has no reference log-probabilities: it is not "
-                                 "a DPO job's")
-            if (state.reference_logprobs is not None
-                    and len(state.reference_logprobs) != len(job.sequences)):
-                raise ValueError(f"the checkpoint has {len(state.reference_logprobs)} reference "
-                                 f"log-probabilities for {len(job.sequences)} sequences")
-            job.reference_logprobs = state.reference_logprobs
-        elif state.reference_logprobs is not None:
-            raise ValueError("the checkpoint is a DPO job's: resume it with method dpo")
         job.step_index = state.step
         job.num_sequences_started = state.num_sequences_started
         job.losses = list(state.losses)

@@ -45,8 +45,9 @@ class FinetuneJob:
 
     @property
     def dpo_metrics(self) -> list[dict[str, float]]:
-        """A DPO job's metrics of every optimizer step done so far: loss, rewards/chosen,
-        rewards/rejected, rewards/margin, rewards/accuracy (means over the step's pairs)."""
+        """A DPO job's metrics of each optimizer step this run did (a resumed job's start after
+        its checkpoint): loss, rewards/chosen, rewards/rejected, rewards/margin, rewards/accuracy
+        (means over the step's pairs)."""
         return [dict(m) for m in self._state.dpo_metrics]
 
     @property
