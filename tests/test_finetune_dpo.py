@@ -133,7 +133,7 @@ def test_dpo_equals_hf_peft_adamw(llm, smollm2_dir, init_adapter, tmp_path, star
     check_against_fp64(ours, hf32, hf64, initial)
     # The first step starts at the reference: margin 0, loss log 2; later ones follow HF's.
     assert job.losses[0] == pytest.approx(0.6931471805599453, abs=1e-4)
-    assert job.losses == pytest.approx(losses64, rel=1e-4, abs=1e-6)
+    assert job.losses == pytest.approx(losses64, rel=1e-3, abs=1e-5)
     metrics = job.dpo_metrics
     assert len(metrics) == 3 and set(metrics[0]) == {
         "loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"}
