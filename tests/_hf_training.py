@@ -47,3 +47,40 @@ def save_random_peft_adapter(model_dir, adapter_dir, target_modules, generator, 
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     peft_model.save_pretrained(adapter_dir)
     return str(adapter_dir)
+
+
+def check_against_fp64(ours: dict[str, torch.Tensor], hf32: dict[str, torch.Tensor],
+                       hf64: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
+    """The exactness bound of the training tests: flexserve's adapter change is within
+    max(1e-4, the fp32 HF loop's error) of the fp64 HF loop's over all tensors, and each tensor's
+    within 1e-2 (Adam's normalization magnifies fp32 rounding where a gradient is near zero)."""
+    keys = sorted(hf64)
+    assert len(ours) == len(keys) == len(initial)
+    ours_error = relative_change_error(ours, hf64, initial, keys)
+    hf_error = relative_change_error(hf32, hf64, initial, keys)
+    print(f"relative error of the weight change vs fp64: flexserve {ours_error:.2e}, "
+          f"HF fp32 {hf_error:.2e}")
+    assert ours_error <= max(1e-4, hf_error)
+    worst = max(relative_change_error(ours, hf64, initial, [k]) for k in keys)
+    assert worst <= 1e-2, f"worst tensor's relative error of its change {worst:.2e}"
+
+
+def relative_change_error(weights: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],
+                          initial: dict[str, torch.Tensor], keys: list[str]) -> float:
+    """||dW - dW_truth|| / ||dW_truth|| over the tensors `keys` (peft names, with or without the
+    `.default` suffix), where dW is a trained adapter's change from `initial` (a saved adapter);
+    the exactness tests' measure of a trained adapter against the fp64 reference `truth`."""
+    def change(adapter: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+        name = key.replace(".default", "")
+        return adapter.get(key, adapter.get(name)).double() - initial[name].double()
+
+    a = torch.cat([change(weights, k).flatten() for k in keys])
+    b = torch.cat([change(truth, k).flatten() for k in keys])
+    return float((a - b).norm() / b.norm())
+
+
+def load_saved(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of the PEFT adapter saved in `path`."""
+    from safetensors.torch import load_file
+
+    return load_file(f"{path}/adapter_model.safetensors")

@@ -384,7 +384,7 @@ def test_pause_places_no_windows_and_resume_trains_the_same_adapter(client, serv
     ({"hyperparameters": {"momentum": 0.9}}, "hyperparameters"),
     ({"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 0}}}},
      "method.supervised.hyperparameters.n_epochs"),
-    ({"method": {"type": "dpo"}}, "method.type"),
+    ({"method": {"type": "dpo"}}, "training_file"),  # dpo trains on preference pairs
     ({"extra_body": {"lora": {"r": 64}}}, "lora.r"),
     ({"extra_body": {"lora": {"target_modules": ["lm_head"]}}}, "lora.target_modules"),
     ({"suffix": "a:b"}, "suffix"),

@@ -21,6 +21,8 @@ import torch
 
 from flexserve import LLM, SamplingParams
 
+from _hf_training import load_saved
+
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 DATA = [
     {"prompt": "Q: What colour is the sky? A:", "completion": " Blue, on a clear day."},
@@ -84,12 +86,6 @@ def reference_training(smollm2_dir, init_adapter, examples, steps, hp,
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def load_saved(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(f"{path}/adapter_model.safetensors")
-
-
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
     return LLM(smollm2_dir, enable_lora=True, max_lora_rank=16, max_model_len=128,
@@ -115,30 +111,16 @@ def test_training_equals_hf_peft_adamw(llm, smollm2_dir, init_adapter, tmp_path,
 
     import json
 
+    from _hf_training import check_against_fp64
+
     data = load_training_data("".join(json.dumps(d) + "\n" for d in DATA).encode(),
                               llm.get_tokenizer(), 128)
     steps = [[0, 1], [2, 3], [4, 5]]
     hf32 = reference_training(smollm2_dir, init_adapter, data.examples, steps, hp)
     hf64 = reference_training(smollm2_dir, init_adapter, data.examples, steps, hp, torch.float64)
     initial = load_saved(init_adapter)
-    keys = sorted(hf64)
-    assert len(ours) == len(keys) == len(initial) == 3 * 30 * 2
-
-    def change(weights: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-        name = key.replace(".default", "")
-        return weights.get(key, weights.get(name)).double() - initial[name].double()
-
-    def rel(weights: dict[str, torch.Tensor], keys: list[str]) -> float:
-        a = torch.cat([change(weights, k).flatten() for k in keys])
-        b = torch.cat([change(hf64, k).flatten() for k in keys])
-        return float((a - b).norm() / b.norm())
-
-    ours_error, hf_error = rel(ours, keys), rel(hf32, keys)
-    print(f"relative error of the weight change vs fp64: flexserve {ours_error:.2e}, "
-          f"HF fp32 {hf_error:.2e}")
-    assert ours_error <= max(1e-4, hf_error)
-    worst = max(rel(ours, [k]) for k in keys)
-    assert worst <= 1e-2, f"worst tensor's relative error of its change {worst:.2e}"
+    assert len(ours) == 3 * 30 * 2
+    check_against_fp64(ours, hf32, hf64, initial)
     # The inference rows were not disturbed by the fine-tuning rows beside them.
     alone = LLM(smollm2_dir, max_model_len=128).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)

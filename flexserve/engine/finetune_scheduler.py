@@ -26,6 +26,17 @@ in every layer's cache), so they are not released layer by layer. After a step's
 plan carries the job's optimizer step, and the job places nothing more until that step's result
 is folded in (its next forward must see the updated adapter). Sequence ids are positions in the
 job's training order (step by step), so packing, resuming and dropout seeds agree on them.
+
+A DPO job (`FinetuneJobState.beta` set) trains pairs: its sequences are (chosen, rejected) sides,
+a step's items are pairs and a bin holds both sides of each of its pairs. It starts with a
+reference pass: every side runs forward windows under the reference adapter (the job's slot
+before its first optimizer step, or no adapter when the job starts from PEFT's init, whose zero B
+makes the two equal), windows that keep no activations and return the summed log-probability of
+the side's loss tokens (sequence ids -1 - example index). Then each pair trains like two
+supervised sequences, except that a side whose forward is done waits until its partner's is:
+the update that folds the second side's loss computes the pair's coefficient
+(`flexserve.finetune.dpo`), and the plan of each side's first backward window carries it as a
+factor on that side's loss gradient.
 Pure Python: the worker owns every tensor (activations, gradients, optimizer state).
 
 Divergence: the worker fails a job whose loss or gradient norm is not finite; the scheduler fails
@@ -43,6 +54,7 @@ from typing import Protocol
 from flexserve.engine.divergence import collapsed_reason
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
 from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
+from flexserve.finetune.dpo import DPOMetrics, dpo_pair
 from flexserve.finetune.steps import pack_sequences
 
 
@@ -74,6 +86,7 @@ class FinetuneUpdate:
     num_trained_tokens: int  # forward tokens of the job so far (OpenAI's trained_tokens)
     message: str | None  # the failure reason, or the event text
     accuracy: float | None = None  # that step's mean token accuracy (argmax = target; "step")
+    dpo: dict[str, float] | None = None  # a DPO step's `DPOMetrics.mean()` ("step")
 
 
 class WindowSizer(Protocol):
@@ -162,6 +175,12 @@ class _RunningSequence:
     backward_layer: int = -1  # layer of the next backward window; -1: forward phase
     backward_end: int = 0  # the next backward window ends here
     done: bool = False  # its last backward window is in a plan (blocks freed at that update)
+    example_index: int = 0  # index into FinetuneJobState.sequences
+    reference: bool = False  # a DPO reference sequence: forward windows only
+    partner: int | None = None  # a DPO side: the sequence id of the other side of its pair
+    chosen: bool = False  # a DPO side: the preferred one
+    loss_sum: float = 0.0  # a DPO sequence: summed cross-entropy of its windows so far
+    grad_scale: float | None = None  # a DPO side: its factor, sent with its first backward window
 
 
 @dataclass(slots=True)
@@ -193,6 +212,17 @@ class FinetuneJobState:
     events: list[str] = field(default_factory=list)  # human-readable progress, oldest first
     slot_released: bool = False  # the engine gave its LoRA slot back after it ended
     data_sha256: str | None = None  # fingerprint of sequences and steps (made on first use)
+    # DPO: beta (None: supervised); sequences are pairs (2i chosen, 2i + 1 rejected) and the
+    # steps' indices are pair indices
+    beta: float | None = None
+    reference_slot: int = -1  # DPO: the slot of the reference windows (-1: the backbone alone)
+    # DPO: summed log-probability of each sequence's loss tokens under the reference; None
+    # until the reference pass is done
+    reference_logprobs: list[float] | None = None
+    reference_sums: list[float] = field(default_factory=list)  # DPO: the pass's results so far
+    num_reference_tokens: int = 0  # DPO: tokens of reference windows scheduled so far
+    dpo_step: DPOMetrics = field(default_factory=DPOMetrics)  # the current step's pairs
+    dpo_metrics: list[dict[str, float]] = field(default_factory=list)  # each DPO step's means
 
     @property
     def num_steps(self) -> int:
@@ -201,6 +231,16 @@ class FinetuneJobState:
     @property
     def finished(self) -> bool:
         return self.status != FinetuneJobStatus.RUNNING
+
+    @property
+    def in_reference_pass(self) -> bool:
+        """A DPO job still computing its reference log-probabilities."""
+        return self.beta is not None and self.reference_logprobs is None
+
+    @property
+    def sides(self) -> int:
+        """Sequences per step item: 2 for a DPO pair, else 1."""
+        return 1 if self.beta is None else 2
 
     @property
     def at_step_boundary(self) -> bool:
@@ -241,8 +281,20 @@ class FinetuneScheduler:
                 # It would wait for blocks forever: even an idle cache cannot hold it.
                 raise ValueError(f"example {i} has {len(seq.token_ids)} tokens; the KV cache holds "
                                  f"{self.kv.num_blocks * self.kv.block_size}")
+        if job.beta is not None:
+            if len(job.sequences) % 2:
+                raise ValueError("a DPO job's sequences are pairs: their number must be even")
+            for i in range(0, len(job.sequences), 2):
+                blocks = sum(-(-len(s.token_ids) // self.kv.block_size)
+                             for s in job.sequences[i:i + 2])
+                if blocks > self.kv.num_blocks:
+                    raise ValueError(
+                        f"pair {i // 2} has {blocks} KV blocks of tokens; both sides run at "
+                        f"once and the KV cache holds {self.kv.num_blocks}")
         if job.pack_capacity is not None and job.pack_capacity < 1:
             raise ValueError(f"pack_capacity must be >= 1 or None, got {job.pack_capacity!r}")
+        if job.beta is not None and not job.reference_sums:
+            job.reference_sums = [0.0] * len(job.sequences)
         self.jobs[job.job_id] = job
         if job.step_index == job.num_steps and not job.finished:  # resumed after its last step
             job.status = FinetuneJobStatus.SUCCEEDED
@@ -291,21 +343,31 @@ class FinetuneScheduler:
                 return 0, False  # its KV blocks do not fit now; inference keeps the memory
         for seq in job.running:
             key = (job.job_id, seq.sequence_id)
-            if seq.done or seq.backward_layer >= 0 or key in forwarded:
+            if (seq.done or seq.backward_layer >= 0 or key in forwarded
+                    or seq.num_forward_tokens == seq.length):
                 continue
             n = sizer.forward(seq.num_forward_tokens, seq.length - seq.num_forward_tokens)
             if n <= 0:
                 continue
             plan.finetune_windows.append(FinetuneWindow(
                 job.job_id, seq.sequence_id, seq.num_forward_tokens,
-                seq.num_forward_tokens + n, job.lora_slot))
+                seq.num_forward_tokens + n,
+                job.reference_slot if seq.reference else job.lora_slot))
             forwarded.add(key)
             seq.num_forward_tokens += n
             seq.kv.num_computed_tokens += n
-            job.num_forward_tokens += n
+            if seq.reference:
+                job.num_reference_tokens += n
+            else:
+                job.num_forward_tokens += n
             plan.num_batched_tokens += n
             if seq.num_forward_tokens == seq.length:
-                seq.backward_layer, seq.backward_end = self.num_layers - 1, seq.length
+                if seq.reference:  # nothing runs backward: its state goes at this update
+                    seq.done = True
+                    plan.finished_finetune_sequences.append(key)
+                elif job.beta is None:
+                    seq.backward_layer, seq.backward_end = self.num_layers - 1, seq.length
+                # a DPO side waits for its pair's coefficient (`_start_pair_backward`)
             return n, False
         for seq in job.running:
             if seq.done or seq.backward_layer < 0 or (job.job_id, seq.sequence_id) in forwarded:
@@ -313,6 +375,9 @@ class FinetuneScheduler:
             n = sizer.backward(seq.backward_end, seq.backward_end)
             if n <= 0:
                 continue
+            if seq.grad_scale is not None:  # before its first backward window runs
+                plan.finetune_grad_scales.append((job.job_id, seq.sequence_id, seq.grad_scale))
+                seq.grad_scale = None
             plan.backward_windows.append(BackwardWindow(
                 job.job_id, seq.sequence_id, seq.backward_layer, seq.backward_end - n,
                 seq.backward_end))
@@ -344,19 +409,33 @@ class FinetuneScheduler:
         return resident + tokens <= self.max_finetune_len
 
     def _ensure_bins(self, job: FinetuneJobState) -> None:
-        """Pack the current step's sequences into bins (once per step)."""
-        if job.bins is None:
-            step_examples = job.steps[job.step_index]
-            lengths = [len(job.sequences[i].token_ids) for i in step_examples]
-            first_id = job.num_sequences_started  # every earlier step's sequences started
-            job.bins = [[(first_id + p, step_examples[p]) for p in members]
+        """Pack the current step's sequences (a DPO job's reference pass: all of its sequences)
+        into bins (once per step); a DPO pair's two sides go into one bin, chosen first."""
+        if job.bins is not None:
+            return
+        job.next_bin = 0
+        if job.in_reference_pass:
+            lengths = [len(s.token_ids) for s in job.sequences]
+            job.bins = [[(-1 - i, i) for i in members]
                         for members in pack_sequences(lengths, job.pack_capacity,
                                                       self.kv.block_size, self.kv.num_blocks)]
-            job.next_bin = 0
+            return
+        items = job.steps[job.step_index]
+        sides = job.sides
+        block = self.kv.block_size
+        # a pair is packed as whole blocks of each side, so a bin's blocks fit an idle cache
+        lengths = [sum(-(-len(job.sequences[sides * i + k].token_ids) // block) * block
+                       for k in range(sides)) if sides > 1 else len(job.sequences[i].token_ids)
+                   for i in items]
+        first_id = job.num_sequences_started  # every earlier step's sequences started
+        job.bins = [[(first_id + sides * p + k, sides * items[p] + k)
+                     for p in members for k in range(sides)]
+                    for members in pack_sequences(lengths, job.pack_capacity, block,
+                                                  self.kv.num_blocks)]
 
     def _start_bin(self, plan: BatchPlan, job: FinetuneJobState) -> bool:
-        step_examples = job.steps[job.step_index]
         self._ensure_bins(job)
+        reference = job.in_reference_pass
         started: list[_RunningSequence] = []
         for sequence_id, example_index in job.bins[job.next_bin]:
             kv = _SequenceKV(f"finetune:{job.job_id}:{sequence_id}",
@@ -365,15 +444,26 @@ class FinetuneScheduler:
                 for seq in started:  # all of the bin or none of it
                     self.kv.free(seq.kv)
                 return False
-            started.append(_RunningSequence(sequence_id, kv, kv.num_tokens))
-        num_loss_tokens = sum(sum(job.sequences[i].loss_mask) for i in step_examples)
-        for seq, (_, example_index) in zip(started, job.bins[job.next_bin]):
-            example = job.sequences[example_index]
+            started.append(_RunningSequence(sequence_id, kv, kv.num_tokens,
+                                            example_index=example_index, reference=reference))
+        if job.beta is None:
+            num_loss_tokens = sum(sum(job.sequences[i].loss_mask)
+                                  for i in job.steps[job.step_index])
+            loss_scale = 1.0 / max(num_loss_tokens, 1)
+        else:  # the pair's coefficient scales the gradient later (plan.finetune_grad_scales)
+            loss_scale = 1.0
+            if not reference:
+                for chosen, rejected in zip(started[0::2], started[1::2]):
+                    chosen.chosen = True
+                    chosen.partner, rejected.partner = rejected.sequence_id, chosen.sequence_id
+        for seq in started:
+            example = job.sequences[seq.example_index]
             plan.finetune_starts.append(FinetuneSequenceStart(
                 job.job_id, seq.sequence_id, example.token_ids, example.loss_mask,
-                loss_scale=1.0 / max(num_loss_tokens, 1),
-                block_ids=self.kv.get_block_ids(seq.kv.request_id)))
-        job.num_sequences_started += len(started)
+                loss_scale=loss_scale, block_ids=self.kv.get_block_ids(seq.kv.request_id),
+                reference=reference))
+        if not reference:
+            job.num_sequences_started += len(started)
         job.next_bin += 1
         job.running.extend(started)  # after the last bin's sequences, freed at their update
         return True
@@ -383,12 +473,17 @@ class FinetuneScheduler:
                errors: dict[str, str]) -> list[FinetuneJobState]:
         """Fold a step's results in; returns the jobs whose state changed (for events)."""
         changed: dict[str, FinetuneJobState] = {}
-        for (job_id, _), (loss_sum, count, num_correct) in losses.items():
+        for (job_id, sequence_id), (loss_sum, count, num_correct) in losses.items():
             job = self.jobs.get(job_id)
             if job is not None:
-                job.step_loss_sum += loss_sum
-                job.step_loss_count += count
-                job.step_num_correct += num_correct
+                if job.beta is not None:
+                    for seq in job.running:
+                        if seq.sequence_id == sequence_id:
+                            seq.loss_sum += loss_sum
+                if sequence_id >= 0:
+                    job.step_loss_sum += loss_sum
+                    job.step_loss_count += count
+                    job.step_num_correct += num_correct
                 changed[job_id] = job
         for job_id, sequence_id in plan.finished_finetune_sequences:
             job = self.jobs.get(job_id)
@@ -396,7 +491,12 @@ class FinetuneScheduler:
                 for seq in job.running:
                     if seq.sequence_id == sequence_id:
                         self.kv.free(seq.kv)
+                        if seq.reference:
+                            job.reference_sums[seq.example_index] = -seq.loss_sum
                 job.running = [s for s in job.running if s.sequence_id != sequence_id]
+        for job in self.jobs.values():
+            if job.beta is not None and not job.finished:
+                self._advance_dpo(job)
         for job_id, reason in errors.items():
             job = self.jobs.get(job_id)
             if job is not None and not job.finished:
@@ -407,17 +507,27 @@ class FinetuneScheduler:
             job = self.jobs.get(job_id)
             if job is None or job.finished:
                 continue
-            job.losses.append(job.step_loss_sum / max(job.step_loss_count, 1))
+            dpo = None
+            if job.beta is None:
+                job.losses.append(job.step_loss_sum / max(job.step_loss_count, 1))
+            else:
+                dpo = job.dpo_step.mean()
+                job.dpo_step = DPOMetrics()
+                job.dpo_metrics.append(dpo)
+                job.losses.append(dpo["loss"])
             job.grad_norms.append(grad_norms.get(job_id, float("nan")))
             job.events.append(f"Step {job.step_index + 1}/{job.num_steps}: training loss="
-                              f"{job.losses[-1]:.4f}, grad norm={job.grad_norms[-1]:.4f}")
+                              f"{job.losses[-1]:.4f}, grad norm={job.grad_norms[-1]:.4f}"
+                              + ("" if dpo is None else
+                                 f", reward margin={dpo['rewards/margin']:.4f}, preference "
+                                 f"accuracy={dpo['rewards/accuracy']:.4f}"))
             accuracy = job.step_num_correct / max(job.step_loss_count, 1)
             job.step_loss_sum, job.step_loss_count, job.step_num_correct = 0.0, 0, 0
             job.step_index += 1
             job.bins, job.next_bin = None, 0
             self._updates.append(FinetuneUpdate(
                 job_id, "step", job.step_index, job.num_steps, job.losses[-1],
-                job.grad_norms[-1], job.num_forward_tokens, job.events[-1], accuracy))
+                job.grad_norms[-1], job.num_forward_tokens, job.events[-1], accuracy, dpo))
             collapsed = collapsed_reason(job.losses, job.grad_norms, self.vocab_size)
             if collapsed is not None:
                 self.end_job(job_id, FinetuneJobStatus.FAILED, collapsed)
@@ -428,6 +538,34 @@ class FinetuneScheduler:
                 self._updates.append(self._update(job, "succeeded", job.events[-1]))
             changed[job_id] = job
         return list(changed.values())
+
+    def _advance_dpo(self, job: FinetuneJobState) -> None:
+        """After a DPO job's results are folded in: end its reference pass when every reference
+        sequence is done; give each pair whose two forwards are done its coefficient and start
+        both sides' backward."""
+        if job.in_reference_pass:
+            if job.bins is not None and job.next_bin == len(job.bins) and not job.running:
+                job.reference_logprobs = list(job.reference_sums)
+                job.bins, job.next_bin = None, 0
+                job.events.append(f"Reference log-probabilities computed for "
+                                  f"{len(job.sequences) // 2} pairs.")
+            return
+        num_pairs = len(job.steps[job.step_index]) if job.step_index < job.num_steps else 1
+        by_id = {s.sequence_id: s for s in job.running}
+        for chosen in job.running:
+            rejected = by_id.get(chosen.partner) if chosen.chosen else None
+            if (rejected is None or chosen.backward_layer >= 0 or chosen.done
+                    or chosen.num_forward_tokens < chosen.length
+                    or rejected.num_forward_tokens < rejected.length):
+                continue
+            ref = job.reference_logprobs
+            pair = dpo_pair(job.beta, -chosen.loss_sum, -rejected.loss_sum,
+                            ref[chosen.example_index], ref[rejected.example_index])
+            job.dpo_step.add(pair)
+            scale = pair.coefficient / num_pairs
+            for seq, sign in ((chosen, 1.0), (rejected, -1.0)):
+                seq.grad_scale = sign * scale
+                seq.backward_layer, seq.backward_end = self.num_layers - 1, seq.length
 
     def end_job(self, job_id: str, status: FinetuneJobStatus, error: str | None = None) -> None:
         """Stop a job (cancel, failure): its sequences' KV blocks are freed now."""
@@ -474,12 +612,24 @@ class FinetuneScheduler:
             num_sequences_started=job.num_sequences_started, losses=list(job.losses),
             grad_norms=list(job.grad_norms), num_forward_tokens=job.num_forward_tokens,
             num_backward_tokens=job.num_backward_tokens, data_sha256=job.fingerprint(),
-            format_version=FORMAT_VERSION)
+            format_version=FORMAT_VERSION, reference_logprobs=(
+                None if job.reference_logprobs is None else list(job.reference_logprobs)))
 
     @staticmethod
     def restore(job: FinetuneJobState, state: TrainerState) -> None:
         """Set a new (not yet added) job to continue where `state` stopped; ValueError when the
         checkpoint belongs to other data or another step plan."""
+        if job.beta is not None:
+            if state.reference_logprobs is None and state.step > 0:
+                raise ValueError("the checkpoint has no reference log-probabilities: it is not "
+                                 "a DPO job's")
+            if (state.reference_logprobs is not None
+                    and len(state.reference_logprobs) != len(job.sequences)):
+                raise ValueError(f"the checkpoint has {len(state.reference_logprobs)} reference "
+                                 f"log-probabilities for {len(job.sequences)} sequences")
+            job.reference_logprobs = state.reference_logprobs
+        elif state.reference_logprobs is not None:
+            raise ValueError("the checkpoint is a DPO job's: resume it with method dpo")
         if state.num_steps != job.num_steps:
             raise ValueError(f"the checkpoint's job plans {state.num_steps} optimizer steps, this "
                              f"job {job.num_steps}: resume with the same data, batch_size and "
@@ -488,7 +638,7 @@ class FinetuneScheduler:
             raise ValueError("the checkpoint was trained on other examples or another step order "
                              "(data, max_seq_len, batch_size, n_epochs, shuffle and seed must "
                              "match)")
-        expected = sum(len(step) for step in job.steps[:state.step])
+        expected = job.sides * sum(len(step) for step in job.steps[:state.step])
         if state.num_sequences_started != expected:
             raise ValueError(f"the checkpoint started {state.num_sequences_started} sequences in "
                              f"{state.step} steps; this job's steps hold {expected}")

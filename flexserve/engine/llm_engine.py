@@ -282,13 +282,18 @@ class LLMEngine:
             raise ValueError(f"fine-tuning job {job_id!r} exists already")
         trainer_state = None if resume_from is None else read_trainer_state(resume_from)
         seed = hp.seed if hp.seed is not None else 0
+        dpo = getattr(hp, "method", "supervised") == "dpo"
+        if dpo != data.is_preference:
+            raise ValueError("method dpo trains on preference pairs, and preference pairs need "
+                             "method dpo")
         if step_plan is None:
             step_plan = [list(step.example_indices) for step in plan_training_steps(
-                len(data.examples), hp.batch_size, hp.n_epochs, hp.shuffle, seed)]
+                data.num_items, hp.batch_size, hp.n_epochs, hp.shuffle, seed)]
         job = FinetuneJobState(
             job_id, [TrainingSequence(e.input_ids, e.loss_mask) for e in data.examples],
             step_plan, -1, tenant=tenant,
-            pack_capacity=self.config.scheduler.max_num_batched_tokens)
+            pack_capacity=self.config.scheduler.max_num_batched_tokens,
+            beta=hp.beta if dpo else None)
         if trainer_state is not None:
             self.scheduler.finetune.restore(job, trainer_state)
         owner = f"finetune:{job_id}"
@@ -298,6 +303,9 @@ class LLMEngine:
             raise NoFreeSlotError("every LoRA slot is pinned by running requests; retry when they "
                              "finish or raise max_loras")
         job.lora_slot = slot
+        # DPO's reference is the job's start: its own slot before the first optimizer step, or
+        # the backbone alone when the adapter starts from PEFT's init (B = 0 adds exactly 0)
+        job.reference_slot = -1 if init_adapter_path is None and resume_from is None else slot
         try:
             self.scheduler.finetune.add_job(job)
             self.executor.add_finetune_job(
@@ -308,7 +316,8 @@ class LLMEngine:
             adapters.release_slot(owner)
             raise
         job.events.extend(event.message for event in data.events)
-        job.events.append(f"Job started: {len(data.examples)} examples, {len(step_plan)} steps.")
+        job.events.append(f"Job started: {data.num_items} "
+                          f"{'pairs' if dpo else 'examples'}, {len(step_plan)} steps.")
         if trainer_state is not None:
             job.events.append(f"Resumed from a checkpoint after step {job.step_index}.")
         logger.info("fine-tuning job %s: %d examples, %d steps, LoRA slot %d%s", job_id,

@@ -49,6 +49,9 @@ class FinetuneSequenceStart:
     loss_mask: list[bool]  # loss_mask[p]: token p is predicted from p-1 and counts in the loss
     loss_scale: float  # 1 / loss tokens of the optimizer step the sequence belongs to
     block_ids: list[int]  # KV blocks holding all of its positions (allocated up front)
+    # True: a DPO reference sequence: its windows return the log-probabilities of its loss
+    # tokens and keep no activations (it has no backward)
+    reference: bool = False
 
 
 @dataclass(slots=True)
@@ -94,6 +97,9 @@ class BatchPlan:
     backward_windows: list[BackwardWindow] = field(default_factory=list)
     optimizer_steps: list[str] = field(default_factory=list)  # job ids
     finished_finetune_sequences: list[tuple[str, int]] = field(default_factory=list)  # drop state
+    # (job id, sequence id, factor): multiply the sequence's loss gradient by factor before its
+    # first backward window in this plan runs (a DPO pair's coefficient, known after the forward)
+    finetune_grad_scales: list[tuple[str, int, float]] = field(default_factory=list)
     # spatial sharing: the fine-tuning windows run as their own forward on a second CUDA stream,
     # concurrently with the inference rows, instead of as rows of the same forward
     finetune_concurrent: bool = False

@@ -80,20 +80,24 @@ class LLM:
         hyperparameters: Any = None,
         job_id: str | None = None,
         resume_from: str | None = None,
+        method: str | None = None,
     ) -> FinetuneJob:
         """Start token-level LoRA fine-tuning on this model (in one of its LoRA slots).
 
         `dataset`: a JSONL path, JSONL bytes or a list of dicts, each {"text"}, {"prompt",
-        "completion"} or {"messages"} (docs/finetuning.md). `lora`: r, alpha, dropout,
-        target_modules, init_adapter. `hyperparameters`: a `Hyperparameters` or its dict
+        "completion"} or {"messages"}, or for `method="dpo"` preference pairs {"input",
+        "preferred_output", "non_preferred_output"} (docs/finetuning.md). `lora`: r, alpha,
+        dropout, target_modules, init_adapter. `hyperparameters`: a `Hyperparameters` or its dict
         (batch_size, learning_rate, lr_scheduler, warmup_steps, weight_decay, max_grad_norm,
-        n_epochs, shuffle, seed, max_seq_len). Returns at once with a handle; the job trains in
-        the engine's steps, alongside any `generate` call (`handle.wait()` to finish it).
-        `resume_from`: a directory written by `handle.checkpoint(...)` for the same dataset and
-        settings; the job continues from there exactly.
+        n_epochs, shuffle, seed, max_seq_len; beta for dpo). `method`: "supervised" (the
+        default) or "dpo" (preference fine-tuning against the job's starting point). Returns at
+        once with a handle; the job trains in the engine's steps, alongside any `generate` call
+        (`handle.wait()` to finish it). `resume_from`: a directory written by
+        `handle.checkpoint(...)` for the same dataset and settings; the job continues from there
+        exactly.
         """
         return start_finetune_job(self.engine, dataset, lora, hyperparameters, job_id,
-                                  resume_from)
+                                  resume_from, method)
 
     def get_tokenizer(self) -> Any | None:
         return self.engine.tokenizer

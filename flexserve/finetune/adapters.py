@@ -1,5 +1,5 @@
 """Serving what a fine-tuning job trained: the model names of its adapters, the hot swap of the
-job's name onto its newest checkpoint, and the validation loss of a checkpoint.
+job's name onto its newest checkpoint, and the validation loss (or DPO metrics) of a checkpoint.
 
 A job's adapter is served as `ft:<base>:<suffix>:<job_id>` (OpenAI's pattern; no suffix leaves
 `::`) and each checkpoint as `<that>:ckpt-step-<N>`. The job's name moves to a new checkpoint with
@@ -16,6 +16,7 @@ from typing import Any
 from flexserve.engine.async_engine import AsyncLLMEngine
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.finetune.data import TrainingExample
+from flexserve.finetune.dpo import DPOMetrics, dpo_pair
 from flexserve.sampling_params import SamplingParams
 
 MAX_VALIDATION_REQUESTS = 16  # validation examples in flight at once (they share the engine)
@@ -78,10 +79,19 @@ async def validation_loss(engine: AsyncLLMEngine, lora_name: str,
     its own tokens, the same forward the training windows use. Every example must fit the
     context with one generated token (`max_model_len - 1` tokens at most).
     """
+    logprobs = await example_logprobs(engine, lora_name, examples, tenant)
+    return -sum(logprobs) / sum(example.num_loss_tokens for example in examples)
+
+
+async def example_logprobs(engine: AsyncLLMEngine, lora_name: str | None,
+                           examples: list[TrainingExample], tenant: str = "default"
+                           ) -> list[float]:
+    """The summed log-probability of each example's loss tokens under adapter `lora_name`
+    (None: the base model), through the inference path (prompt logprobs)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     limit = asyncio.Semaphore(MAX_VALIDATION_REQUESTS)
 
-    async def example_loss(example: TrainingExample) -> float:
+    async def example_logprob(example: TrainingExample) -> float:
         async with limit:
             request_id = engine.next_request_id("ftvalid")
             prepared = await asyncio.to_thread(engine.prepare, request_id, example.input_ids,
@@ -92,10 +102,23 @@ async def validation_loss(engine: AsyncLLMEngine, lora_name: str,
         if final is None or final.prompt_logprobs is None:
             raise RuntimeError(f"validation request {request_id} ended without prompt logprobs")
         logprobs = final.prompt_logprobs
-        return -sum(logprobs[p][token].logprob
-                    for p, (token, counted) in enumerate(zip(example.input_ids,
-                                                              example.loss_mask))
-                    if counted)
+        return sum(logprobs[p][token].logprob
+                   for p, (token, counted) in enumerate(zip(example.input_ids,
+                                                             example.loss_mask))
+                   if counted)
 
-    losses = await asyncio.gather(*(example_loss(example) for example in examples))
-    return sum(losses) / sum(example.num_loss_tokens for example in examples)
+    return list(await asyncio.gather(*(example_logprob(example) for example in examples)))
+
+
+async def validation_dpo(engine: AsyncLLMEngine, lora_name: str, pairs: list[TrainingExample],
+                         reference_logprobs: list[float], beta: float,
+                         tenant: str = "default") -> dict[str, float]:
+    """A DPO job's validation metrics under adapter `lora_name` (`DPOMetrics.mean()`): `pairs`
+    holds each pair's chosen then rejected side, `reference_logprobs` their summed
+    log-probabilities under the job's reference model."""
+    policy = await example_logprobs(engine, lora_name, pairs, tenant)
+    metrics = DPOMetrics()
+    for i in range(0, len(pairs), 2):
+        metrics.add(dpo_pair(beta, policy[i], policy[i + 1], reference_logprobs[i],
+                             reference_logprobs[i + 1]))
+    return metrics.mean()

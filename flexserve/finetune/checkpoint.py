@@ -49,6 +49,9 @@ class TrainerState:
     num_backward_tokens: int  # backward layer-window tokens so far
     data_sha256: str  # fingerprint of the examples and the step plan (`data_fingerprint`)
     format_version: int = FORMAT_VERSION  # of this layout
+    # a DPO job: the summed log-probability of each sequence's loss tokens under the reference
+    # model (the job's start), so a resumed job keeps its reference; absent for supervised jobs
+    reference_logprobs: list[float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,7 +62,8 @@ class TrainerState:
         if not isinstance(values, dict):
             raise ValueError(f"{TRAINER_STATE_NAME} must hold a JSON object")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in values]
+        optional = ("reference_logprobs",)
+        missing = [n for n in names if n not in values and n not in optional]
         if missing:
             raise ValueError(f"{TRAINER_STATE_NAME} lacks {missing}")
         if values["format_version"] != FORMAT_VERSION:
@@ -82,7 +86,13 @@ class TrainerState:
         if values["step"] > values["num_steps"]:
             raise ValueError(f"{TRAINER_STATE_NAME}: step {values['step']} is past num_steps "
                              f"{values['num_steps']}")
-        state = cls(**{n: values[n] for n in names})
+        reference = values.get("reference_logprobs")
+        if reference is not None and (not isinstance(reference, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in reference)):
+            raise ValueError(f"{TRAINER_STATE_NAME}: reference_logprobs must list numbers")
+        state = cls(**{n: values[n] for n in names if n in values})
+        if reference is not None:
+            state.reference_logprobs = [float(x) for x in reference]
         state.losses = [float(x) for x in state.losses]
         state.grad_norms = [float(x) for x in state.grad_norms]
         return state

@@ -8,11 +8,14 @@ One JSON object per line, all lines in one of three formats:
 - `{"messages": [...]}`: the chat template; assistant turns count (`flexserve.finetune.chat`).
   OpenAI's function-calling examples add `"tools": [...]` (to the template) and may carry
   `"parallel_tool_calls"` (accepted; the calls are trained as written).
+- `{"input": {"messages": [...]}, "preferred_output": [...], "non_preferred_output": [...]}`: a
+  preference pair for DPO (`flexserve.finetune.preference`): two examples, chosen then rejected.
 
 Blank lines are skipped; line numbers in errors and events are the file's 1-based line numbers.
 An example longer than `max_seq_len` keeps its first `max_seq_len` tokens and yields a
 `TruncationEvent`; one left without a loss token is skipped (its event says so), so a single
-over-long prompt does not fail a whole job. A file with no trainable example is an error.
+over-long prompt does not fail a whole job; a pair is skipped when either side is. A file with no
+trainable example is an error.
 No torch import: the engine counts tokens and plans steps from this.
 """
 
@@ -26,12 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexserve.finetune.chat import encode_chat
+from flexserve.finetune.preference import PREFERENCE_KEYS, encode_preference
 
 # Format name -> the keys an object of that format has, exactly.
 DATA_FORMATS: dict[str, frozenset[str]] = {
     "text": frozenset({"text"}),
     "prompt_completion": frozenset({"prompt", "completion"}),
     "messages": frozenset({"messages"}),
+    "preference": PREFERENCE_KEYS,
 }
 # Keys an object of a format may carry besides its own.
 OPTIONAL_KEYS: dict[str, frozenset[str]] = {
@@ -39,7 +44,8 @@ OPTIONAL_KEYS: dict[str, frozenset[str]] = {
 }
 _KEY_FORMAT = {key: name for name, keys in (*DATA_FORMATS.items(), *OPTIONAL_KEYS.items())
                for key in keys}
-_FORMAT_HELP = '{"text"}, {"prompt", "completion"} or {"messages"}'
+_FORMAT_HELP = ('{"text"}, {"prompt", "completion"}, {"messages"} or {"input", '
+                '"preferred_output", "non_preferred_output"}')
 
 
 @dataclass(slots=True)
@@ -97,14 +103,37 @@ class TrainingData:
     """A parsed training file."""
 
     format: str  # a key of DATA_FORMATS
-    examples: list[TrainingExample]  # trainable examples in file order (skipped ones left out)
+    # trainable examples in file order (skipped ones left out); a preference file holds pairs:
+    # examples[2 * i] is pair i's chosen side, examples[2 * i + 1] its rejected side
+    examples: list[TrainingExample]
     events: list[TruncationEvent]  # one per truncated example, in file order
     num_tokens: int  # sum of num_tokens over examples (after truncation)
     num_loss_tokens: int  # sum of num_loss_tokens over examples
 
+    @property
+    def is_preference(self) -> bool:
+        """Whether the examples are DPO pairs (chosen, rejected)."""
+        return self.format == "preference"
+
+    @property
+    def num_items(self) -> int:
+        """What a step batches and an epoch visits: examples, or pairs of a preference file."""
+        return len(self.examples) // 2 if self.is_preference else len(self.examples)
+
     def num_loss_tokens_in(self, example_indices: Iterable[int]) -> int:
         """Loss tokens of a step's examples: the denominator of that step's mean loss."""
         return sum(self.examples[i].num_loss_tokens for i in example_indices)
+
+
+def check_method_data(method: str, data_format: str) -> None:
+    """ValueError when a training file's format does not suit the job's method: dpo trains on
+    preference pairs, supervised on the other formats."""
+    if method == "dpo" and data_format != "preference":
+        raise ValueError(f"method dpo trains on preference pairs ({{\"input\", "
+                         f"\"preferred_output\", \"non_preferred_output\"}}), but the file "
+                         f"holds {data_format} examples")
+    if method != "dpo" and data_format == "preference":
+        raise ValueError("the file holds preference pairs: train on them with method dpo")
 
 
 def _eos_id(tokenizer: Any) -> int:
@@ -239,17 +268,22 @@ def load_training_data(source: bytes | str | os.PathLike[str], tokenizer: Any,
             elif line_format != data_format:
                 raise ValueError(f"a {line_format} example, but line {format_line} is a "
                                  f"{data_format} example; a file holds one format")
-            ids, mask = encode_example(record, line_format, tokenizer)
+            if line_format == "preference":
+                sides = list(encode_preference(record, tokenizer))
+            else:
+                sides = [encode_example(record, line_format, tokenizer)]
         except ValueError as e:
             raise ValueError(f"line {line_number}: {e}") from None
-        if len(ids) > max_seq_len:
-            num_tokens = len(ids)
-            ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-            skipped = not any(mask)
-            events.append(TruncationEvent(line_number, num_tokens, max_seq_len, skipped))
-            if skipped:
-                continue
-        examples.append(TrainingExample(line_number, ids, mask))
+        kept = []
+        for ids, mask in sides:
+            if len(ids) > max_seq_len:
+                num_tokens = len(ids)
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+                events.append(TruncationEvent(line_number, num_tokens, max_seq_len,
+                                              not any(mask)))
+            kept.append(TrainingExample(line_number, ids, mask))
+        if all(e.num_loss_tokens for e in kept):
+            examples.extend(kept)
     if data_format is None:
         raise ValueError("the training file has no examples (it is empty)")
     if not examples:

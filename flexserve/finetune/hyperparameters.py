@@ -23,6 +23,10 @@ MAX_N_EPOCHS = 1000
 MAX_WARMUP_STEPS = 1_000_000
 MAX_SEQ_LEN = 1 << 20
 MAX_SEED = 2**31 - 1  # as OpenAI's `seed`
+DEFAULT_DPO_BETA = 0.1
+# "supervised": mean token cross-entropy; "dpo": the DPO loss over preference pairs
+# (flexserve.finetune.dpo).
+METHODS = ("supervised", "dpo")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 # The seven projections of a Llama-family decoder layer (the keys of
 # flexserve.peft.bypass.TARGET_MODULES; not imported from there because flexserve.peft imports
@@ -131,6 +135,8 @@ class Hyperparameters:
     seed: int | None = None  # data order and adapter init; None: the job draws one and records it
     max_seq_len: int = DEFAULT_MAX_SEQ_LEN  # longer examples are truncated (bounded by the model)
     lora: LoRAHyperparameters = field(default_factory=LoRAHyperparameters)
+    method: str = "supervised"  # a METHODS entry: the loss the job trains
+    beta: float | None = None  # DPO's beta (how far from the reference); None for supervised
 
     def __post_init__(self) -> None:
         _check_int("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)
@@ -153,6 +159,14 @@ class Hyperparameters:
         _check_int("max_seq_len", self.max_seq_len, 2, MAX_SEQ_LEN)
         if not isinstance(self.lora, LoRAHyperparameters):
             raise ValueError(f"lora must be a LoRAHyperparameters, got {type(self.lora).__name__}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "dpo":
+            self.beta = DEFAULT_DPO_BETA if self.beta in (None, "auto") else _as_float(
+                "beta", self.beta, 0.0, inclusive=False)
+        elif self.beta is not None:
+            raise ValueError("beta is a hyper-parameter of the dpo method, not of supervised "
+                             "fine-tuning")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Hyperparameters:
@@ -160,8 +174,8 @@ class Hyperparameters:
 
         OpenAI compatibility: `"auto"` for batch_size or n_epochs means the default;
         `learning_rate_multiplier` (a number or `"auto"` = 1) sets learning_rate to that multiple
-        of the default and may not be combined with `learning_rate`. `lora` is a nested object
-        (see `LoRAHyperparameters.from_dict`).
+        of the default and may not be combined with `learning_rate`; `"auto"` for beta (dpo only)
+        means 0.1. `lora` is a nested object (see `LoRAHyperparameters.from_dict`).
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"hyperparameters must be an object, got {type(data).__name__}")

@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from flexserve.finetune.data import load_training_data
+from flexserve.finetune.data import check_method_data, load_training_data
 from flexserve.finetune.hyperparameters import Hyperparameters
 
 
@@ -39,8 +39,16 @@ class FinetuneJob:
 
     @property
     def losses(self) -> list[float]:
-        """Mean token cross-entropy of every optimizer step done so far."""
+        """The loss of every optimizer step done so far: mean token cross-entropy (supervised),
+        mean DPO loss over the step's pairs (dpo)."""
         return list(self._state.losses)
+
+    @property
+    def dpo_metrics(self) -> list[dict[str, float]]:
+        """A DPO job's metrics of each optimizer step this run did (a resumed job's start after
+        its checkpoint): loss, rewards/chosen, rewards/rejected, rewards/margin, rewards/accuracy
+        (means over the step's pairs)."""
+        return [dict(m) for m in self._state.dpo_metrics]
 
     @property
     def grad_norms(self) -> list[float]:
@@ -90,12 +98,16 @@ def start_finetune_job(
     hyperparameters: Hyperparameters | Mapping[str, Any] | None = None,
     job_id: str | None = None,
     resume_from: str | None = None,
+    method: str | None = None,
 ) -> FinetuneJob:
     """Validate and tokenize, then register the job with the engine (see `LLM.finetune`)."""
     if isinstance(hyperparameters, Hyperparameters):
         if lora is not None:
             raise ValueError("pass the LoRA settings inside Hyperparameters.lora or as `lora`, "
                              "not both")
+        if method is not None and method != hyperparameters.method:
+            raise ValueError(f"method {method!r} differs from the Hyperparameters' method "
+                             f"{hyperparameters.method!r}")
         hp = hyperparameters
     else:
         values = dict(hyperparameters or {})
@@ -103,6 +115,10 @@ def start_finetune_job(
             if "lora" in values:
                 raise ValueError("LoRA settings given twice (`lora` and hyperparameters['lora'])")
             values["lora"] = dict(lora)
+        if method is not None:
+            if values.get("method", method) != method:
+                raise ValueError(f"method {method!r} differs from hyperparameters['method']")
+            values["method"] = method
         hp = Hyperparameters.from_dict(values)
     if engine.tokenizer is None:
         raise ValueError("fine-tuning data needs the model's tokenizer; this model has none")
@@ -113,6 +129,7 @@ def start_finetune_job(
         dataset = "".join(json.dumps(dict(r)) + "\n" for r in records).encode()
     max_len = engine.config.finetune.max_finetune_len or engine.info.max_model_len
     data = load_training_data(dataset, engine.tokenizer, min(hp.max_seq_len, max_len))
+    check_method_data(hp.method, data.format)
     init = hp.lora.init_adapter
     if resume_from is not None:
         init = None  # the checkpoint's adapter replaces the initial one

@@ -58,12 +58,20 @@ from flexserve.engine.adapter_manager import AdapterNotFoundError, NoFreeSlotErr
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from flexserve.finetune.adapters import (
     checkpoint_model_name,
+    example_logprobs,
     fine_tuned_model_name,
     parse_job_model_name,
     serve_checkpoint,
+    validation_dpo,
     validation_loss,
 )
-from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
+from flexserve.finetune.data import (
+    TrainingData,
+    TrainingExample,
+    check_method_data,
+    load_training_data,
+)
+from flexserve.finetune.dpo import metric_fields
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.records import JOB_STATUSES, JobRecord
 from flexserve.finetune.results import RESULTS_FILENAME, RESULTS_PURPOSE, step_metrics_csv
@@ -125,6 +133,9 @@ class _ActiveJob:
     num_total_tokens: int = 0  # forward tokens of all its steps (trained_tokens at the end)
     rate_origin: tuple[float, int] | None = None  # (time, trained tokens) at its first step here
     estimated_finish: int | None = None  # unix seconds, from the measured token rate
+    # a DPO job with a validation file: its pairs' log-probabilities under the reference model
+    # (computed at its first checkpoint)
+    reference_logprobs: list[float] | None = None
 
 
 class FinetuneService:
@@ -369,7 +380,7 @@ class FinetuneService:
             return False
         # Every epoch trains every example once (`finetune.steps.plan_training_steps`).
         active.num_total_tokens = hp.n_epochs * sum(len(e.input_ids) for e in data.examples)
-        step_plan = await asyncio.to_thread(_step_plan, len(data.examples), hp)
+        step_plan = await asyncio.to_thread(_step_plan, data.num_items, hp)
         self._paused_ids.discard(job_id)  # paused earlier, resumed now
         if latest is not None:
             active.num_logged_steps = await asyncio.to_thread(self._num_logged_steps, job_id)
@@ -421,7 +432,9 @@ class FinetuneService:
         """Validation examples, cut so that prompt + one generated token fit the context."""
         max_len = min(hp.max_seq_len, self.max_finetune_len,
                       self.engine.info.max_model_len - 1)
-        return load_training_data(content, self.engine.tokenizer, max_len).examples
+        data = load_training_data(content, self.engine.tokenizer, max_len)
+        check_method_data(hp.method, data.format)
+        return data.examples
 
     def _num_logged_steps(self, job_id: str) -> int:
         events = _every_page(functools.partial(self.store.list_events, job_id))
@@ -517,10 +530,13 @@ class FinetuneService:
                     "train_mean_token_accuracy": update.accuracy,
                     "total_steps": update.num_steps, "grad_norm": update.grad_norm,
                     "trained_tokens": update.num_trained_tokens}
-            await asyncio.to_thread(
-                self.store.add_event, job_id,
-                f"Step {update.step}/{update.num_steps}: training loss={update.loss:.4f}",
-                "info", "metrics", data)
+            message = f"Step {update.step}/{update.num_steps}: training loss={update.loss:.4f}"
+            if update.dpo is not None:
+                data.update(metric_fields(update.dpo, "train"))
+                message += (f", reward margin={update.dpo['rewards/margin']:.4f}, preference "
+                            f"accuracy={update.dpo['rewards/accuracy']:.4f}")
+            await asyncio.to_thread(self.store.add_event, job_id, message, "info", "metrics",
+                                    data)
         if item.checkpoint_path is not None:
             await self._publish_checkpoint(job_id, active, update, item.checkpoint_path)
 
@@ -544,7 +560,19 @@ class FinetuneService:
         metrics: dict[str, Any] = {"step": update.step, "train_loss": update.loss}
         if update.accuracy is not None:
             metrics["train_mean_token_accuracy"] = update.accuracy
-        if active.validation:
+        if update.dpo is not None:
+            metrics.update(metric_fields(update.dpo, "train"))
+            if active.validation:
+                valid = await self._validation_dpo(job_id, active, name)
+                metrics.update(valid)
+                await asyncio.to_thread(
+                    self.store.add_event, job_id,
+                    f"Step {update.step}/{update.num_steps}: validation loss="
+                    f"{valid['valid_loss']:.4f}, reward margin={valid['valid_reward_margin']:.4f}"
+                    f", preference accuracy={valid['valid_preference_accuracy']:.4f}",
+                    "info", "metrics", {"step": update.step, "total_steps": update.num_steps,
+                                        **valid})
+        elif active.validation:
             valid_loss = await validation_loss(self.engine, name, active.validation,
                                                active.record.tenant)
             metrics["valid_loss"] = valid_loss
@@ -557,6 +585,28 @@ class FinetuneService:
                                 path)
         self._newest_checkpoint[job_id] = name
         await self._apply_retention(job_id)
+
+    async def _validation_dpo(self, job_id: str, active: _ActiveJob, name: str
+                              ) -> dict[str, float]:
+        """valid_loss and the valid_ reward fields of a DPO checkpoint served as `name`. The
+        reference log-probabilities come first, once per run of the job: under the base model,
+        or under its initial adapter served for that pass alone."""
+        hp = Hyperparameters.from_dict(active.record.hyperparameters)
+        tenant = active.record.tenant
+        if active.reference_logprobs is None:
+            init = hp.lora.init_adapter
+            reference_name = None if init is None else f"{job_id}:reference"
+            if reference_name is not None:
+                await self.engine.add_lora(reference_name, init)
+            try:
+                active.reference_logprobs = await example_logprobs(
+                    self.engine, reference_name, active.validation, tenant)
+            finally:
+                if reference_name is not None:
+                    await self.engine.remove_lora(reference_name)
+        mean = await validation_dpo(self.engine, name, active.validation,
+                                    active.reference_logprobs, hp.beta, tenant)
+        return {"valid_loss": mean["loss"], **metric_fields(mean, "valid")}
 
     async def _apply_retention(self, job_id: str) -> None:
         """Delete the job's checkpoints past the newest `keep_checkpoints` that nothing uses."""
@@ -666,11 +716,11 @@ class FinetuneService:
             self.metrics.set_job_counts(self._counts)
 
 
-def _step_plan(num_examples: int, hp: Hyperparameters) -> list[list[int]]:
+def _step_plan(num_items: int, hp: Hyperparameters) -> list[list[int]]:
     """The examples of every step, planned off the event loop and the engine thread."""
     seed = hp.seed if hp.seed is not None else 0
     return [list(step.example_indices) for step in plan_training_steps(
-        num_examples, hp.batch_size, hp.n_epochs, hp.shuffle, seed)]
+        num_items, hp.batch_size, hp.n_epochs, hp.shuffle, seed)]
 
 
 def _cancel_on_engine(llm: Any, job_id: str) -> None:

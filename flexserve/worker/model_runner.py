@@ -282,13 +282,15 @@ class ModelRunner:
                 # FlexLLM figure 9: backward windows touch only their own sequences' K/V
                 # blocks, activation stores and gradient buffers; adapter weights change only
                 # in the optimizer step, after both streams joined.
-                self._finetune().run_backward(plan.backward_windows, errors)
+                self._finetune().run_backward(plan.backward_windows, errors,
+                                              plan.finetune_grad_scales)
             sample()
         else:
             # Without fine-tuning work the sampled tokens may come back later (deferred).
             fill = self._forward(rows, windows, result, plan, deferred=not finetune)()
             if finetune:
-                self._finetune().run_backward(plan.backward_windows, errors)
+                self._finetune().run_backward(plan.backward_windows, errors,
+                                              plan.finetune_grad_scales)
         if side_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(side_stream)
         if finetune:
@@ -345,10 +347,15 @@ class ModelRunner:
                 if windows:
                     capture = self._finetune().capture_windows(windows, num_inference_tokens,
                                                                errors)
+                    if not capture.windows:  # DPO reference windows only: nothing to keep
+                        capture = None
                 with set_forward_context(metadata, lora_meta, finetune=capture):
                     hidden = self.model(input_ids, positions)
         if capture is not None:
             self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
+        if windows:
+            self._finetune().reference_logprobs(hidden, windows, num_inference_tokens,
+                                                result.finetune_losses, errors)
         def sample() -> Callable[[], None] | None:
             fill = None
             sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]

@@ -60,12 +60,16 @@ class SupervisedMethodFields(OpenAIModel):
     hyperparameters: dict[str, Any] | None = None
 
 
+class DpoMethodFields(OpenAIModel):
+    hyperparameters: dict[str, Any] | None = None  # beta and the supervised ones
+
+
 class MethodFields(OpenAIModel):
-    """OpenAI's newer `method`; only `supervised` is trained here."""
+    """OpenAI's newer `method`: `supervised` and `dpo` are trained here."""
 
     type: str
     supervised: SupervisedMethodFields | None = None
-    dpo: dict[str, Any] | None = None
+    dpo: DpoMethodFields | None = None
     reinforcement: dict[str, Any] | None = None
 
 
@@ -106,9 +110,14 @@ class SupervisedMethod(OpenAIModel):
     hyperparameters: JobHyperparameters
 
 
+class DpoMethod(OpenAIModel):
+    hyperparameters: JobHyperparameters  # with beta
+
+
 class Method(OpenAIModel):
-    type: Literal["supervised"] = "supervised"
-    supervised: SupervisedMethod
+    type: Literal["supervised", "dpo"] = "supervised"
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
 
 
 class FineTuningJob(OpenAIModel):
@@ -142,6 +151,9 @@ class FineTuningJob(OpenAIModel):
     def from_record(cls, record: JobRecord, estimated_finish: int | None = None
                     ) -> FineTuningJob:
         hp = dict(record.hyperparameters)
+        method = hp.pop("method", "supervised")
+        if hp.get("beta") is None:
+            hp.pop("beta", None)
         learning_rate = hp.get("learning_rate", DEFAULT_LEARNING_RATE_FOR_MULTIPLIER)
         hyperparameters = JobHyperparameters(
             batch_size=hp.get("batch_size"), n_epochs=hp.get("n_epochs"),
@@ -153,7 +165,9 @@ class FineTuningJob(OpenAIModel):
             error=None if record.error is None else JobError(**record.error),
             fine_tuned_model=record.fine_tuned_model, finished_at=record.finished_at,
             hyperparameters=hyperparameters,
-            method=Method(supervised=SupervisedMethod(hyperparameters=hyperparameters)),
+            method=(Method(type="dpo", dpo=DpoMethod(hyperparameters=hyperparameters))
+                    if method == "dpo" else
+                    Method(supervised=SupervisedMethod(hyperparameters=hyperparameters))),
             model=record.model, organization_id=f"org-{record.tenant}", seed=record.seed,
             status=record.status,  # type: ignore[arg-type]
             trained_tokens=record.trained_tokens, training_file=record.training_file,

@@ -40,7 +40,12 @@ from flexserve.entrypoints.openai.protocol_finetune import (
 from flexserve.entrypoints.openai.request_body import read_json
 from flexserve.entrypoints.openai.serving_base import json_response
 from flexserve.entrypoints.openai.serving_files import int_query_param
-from flexserve.finetune.data import TrainingData, TrainingExample, load_training_data
+from flexserve.finetune.data import (
+    TrainingData,
+    TrainingExample,
+    check_method_data,
+    load_training_data,
+)
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.records import JobRecord
 from flexserve.finetune.service import FINAL_STATUSES, FinetuneService
@@ -51,7 +56,8 @@ from flexserve.peft.peft_io import parse_lora_config, read_adapter_config, resol
 MAX_PAGE_LIMIT = 1000
 _HP_FIELDS = ("batch_size", "learning_rate", "learning_rate_multiplier", "lr_scheduler",
               "warmup_steps", "weight_decay", "max_grad_norm", "n_epochs", "shuffle", "seed",
-              "max_seq_len")
+              "max_seq_len", "beta")
+_METHODS = ("supervised", "dpo")
 
 
 def job_not_found(job_id: str) -> APIError:
@@ -230,7 +236,7 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
             raise bad_request(f"invalid validation_file {body.validation_file}: {e}",
                               param="validation_file", code="invalid_validation_file") from e
     try:
-        num_steps = check_plan_size(len(data.examples), hp.batch_size, hp.n_epochs)
+        num_steps = check_plan_size(data.num_items, hp.batch_size, hp.n_epochs)
     except ValueError as e:
         raise bad_request(f"Invalid hyper-parameters: {e}", param="hyperparameters.n_epochs",
                           code="invalid_value") from e
@@ -244,22 +250,36 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
 
 
 def resolve_hyperparameters(body: FineTuningJobCreateRequest) -> Hyperparameters:
-    """OpenAI's `hyperparameters` (or `method.supervised.hyperparameters`), `seed` and the
-    extension `lora` as one `Hyperparameters`; 400 naming the parameter when invalid."""
+    """OpenAI's `hyperparameters` (or `method.<type>.hyperparameters`), `method.type`, `seed`
+    and the extension `lora` as one `Hyperparameters`; 400 naming the parameter when invalid."""
     prefix, values = "hyperparameters", dict(body.hyperparameters or {})
+    if "method" in values:
+        raise bad_request("the method is `method.type`, not a hyper-parameter",
+                          param="hyperparameters.method", code="invalid_value")
+    method = "supervised"
     if body.method is not None:
-        if body.method.type != "supervised":
-            raise bad_request(f"method.type {body.method.type!r} is not supported: this server "
-                              "runs supervised fine-tuning", param="method.type",
+        method = body.method.type
+        if method not in _METHODS:
+            raise bad_request(f"method.type {method!r} is not supported: this server runs "
+                              "supervised and dpo fine-tuning", param="method.type",
                               code="invalid_value")
-        method_values = (body.method.supervised.hyperparameters
-                         if body.method.supervised is not None else None)
+        for other in ("supervised", "dpo", "reinforcement"):
+            if other != method and getattr(body.method, other) is not None:
+                raise bad_request(f"method.{other} is given but method.type is {method!r}",
+                                  param=f"method.{other}", code="invalid_value")
+        section = getattr(body.method, method)
+        method_values = section.hyperparameters if section is not None else None
         if method_values:
             if values:
                 raise bad_request("give the hyper-parameters in `hyperparameters` or in "
-                                  "`method.supervised.hyperparameters`, not both",
+                                  f"`method.{method}.hyperparameters`, not both",
                                   param="hyperparameters")
-            prefix, values = "method.supervised.hyperparameters", dict(method_values)
+            if "method" in method_values:
+                raise bad_request("the method is `method.type`, not a hyper-parameter",
+                                  param=f"method.{method}.hyperparameters.method",
+                                  code="invalid_value")
+            prefix, values = f"method.{method}.hyperparameters", dict(method_values)
+    values["method"] = method
     lora_prefix = f"{prefix}."
     if body.lora is not None:
         if "lora" in values:
@@ -346,7 +366,9 @@ async def _training_data(service: FinetuneService, file_id: str, param: str,
     content = await _file_content(service, file_id, param, tenant)
     max_len = min(hp.max_seq_len, service.max_finetune_len)
     try:
-        return await offload.run(load_training_data, content, service.engine.tokenizer, max_len)
+        data = await offload.run(load_training_data, content, service.engine.tokenizer, max_len)
+        check_method_data(hp.method, data.format)
+        return data
     except ValueError as e:
         raise bad_request(f"invalid {param} {file_id}: {e}", param=param,
                           code=f"invalid_{param}") from e

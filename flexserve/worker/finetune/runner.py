@@ -4,9 +4,13 @@ each running sequence's activation store and layer-wise backward (FlexLLM 5.2, 6
 The model runner calls, per step: `start_sequences` (plan.finetune_starts), `capture_windows`
 before the shared forward (so the model's layers hand the windows' tensors to their stores),
 `window_losses` after it, then `run_backward` (plan.backward_windows), `optimizer_steps` and
-`finish_sequences`. A job's adapter lives in one LoRA slot for the job's whole run, in the model's
-dtype, copied from the fp32 master weights after every optimizer step. A failing job is reported
-in the step result and dropped; the server and other jobs go on. Any exception inside one job's
+`finish_sequences`; `reference_logprobs` after the forward when the plan has DPO reference
+windows (sequences started with `reference`: no activation store, no backward, only the summed
+log-probability of their loss tokens), and `run_backward` first scales the loss gradient of the
+sequences in `plan.finetune_grad_scales` (a DPO pair's coefficient). A job's adapter lives in
+one LoRA slot for the job's whole run, in the model's dtype, copied from the fp32 master weights
+after every optimizer step. A failing job is reported in the step result and dropped; the server
+and other jobs go on. Any exception inside one job's
 work fails that job alone: a non-finite window loss or gradient norm (the job diverged), running
 out of device memory (its activations are dropped and the allocator's cache emptied, so
 inference and the other jobs get the memory back), or a bug. `inject_fault` poisons a job's next
@@ -53,7 +57,7 @@ from flexserve.worker.finetune.backward_graphs import (
 )
 from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
-from flexserve.worker.finetune.window_loss import window_loss
+from flexserve.worker.finetune.window_loss import window_logprob_sum, window_loss
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +82,8 @@ class FinetuneJobSpec:
 @dataclass(slots=True)
 class _Sequence:
     start: FinetuneSequenceStart
-    store: ActivationStore
-    backward: SequenceBackward
+    store: ActivationStore | None  # None: a reference sequence (forward only, nothing kept)
+    backward: SequenceBackward | None
 
 
 class _Job:
@@ -331,6 +335,9 @@ class FinetuneRunner:
             job = self.jobs.get(start.job_id)
             if job is None or start.job_id in errors:
                 continue
+            if start.reference:
+                job.sequences[start.sequence_id] = _Sequence(start, None, None)
+                continue
             store = None
             try:
                 n = len(start.token_ids)
@@ -359,7 +366,7 @@ class FinetuneRunner:
         for window in windows:
             seq = self._sequence(window.job_id, window.sequence_id)
             n = window.end - window.start
-            if seq is not None and window.job_id not in errors:
+            if seq is not None and seq.store is not None and window.job_id not in errors:
                 capture.add_window(seq.store, row, window.start, n, window.lora_slot)
             row += n
         return capture
@@ -369,10 +376,11 @@ class FinetuneRunner:
         """What a `GraphCapture` of these windows keeps: (layer, name) -> layout of the one plan
         of their stores; None when some window needs the eager `capture_windows` (a store
         outside the arena, LoRA dropout, a kept mask or delta, plans that differ) or none runs."""
-        stores = [seq.store for seq in (self._sequence(w.job_id, w.sequence_id) for w in windows
-                                        if w.job_id not in errors) if seq is not None]
-        if not stores or self.arena is None:
-            return None
+        sequences = [seq for seq in (self._sequence(w.job_id, w.sequence_id) for w in windows
+                                     if w.job_id not in errors) if seq is not None]
+        stores = [seq.store for seq in sequences]
+        if not stores or self.arena is None or None in stores:
+            return None  # reference windows run eagerly
         names = stores[0].stored_names
         for store in stores:
             if (store.arena is None or store.lora_dropout > 0 or store.stored_names != names
@@ -422,7 +430,8 @@ class FinetuneRunner:
         # The capture holds the windows `capture_windows` admitted (errors do not change during
         # the forward); a job failing below must not shift the later windows' indices.
         captured = [w for w in windows if w.job_id not in errors
-                    and self._sequence(w.job_id, w.sequence_id) is not None]
+                    and self._sequence(w.job_id, w.sequence_id) is not None
+                    and self._sequence(w.job_id, w.sequence_id).store is not None]
         for index, window in enumerate(captured):
             seq = self._sequence(window.job_id, window.sequence_id)
             if seq is None or window.job_id in errors:
@@ -449,7 +458,37 @@ class FinetuneRunner:
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 self._fail(window.job_id, e, errors, "its forward window's loss")
 
-    def run_backward(self, windows: list[BackwardWindow], errors: dict[str, str]) -> None:
+    def reference_logprobs(self, hidden: torch.Tensor, windows: list[FinetuneWindow],
+                           first_row: int, losses: dict, errors: dict[str, str]) -> None:
+        """The summed cross-entropy of the loss tokens of each reference window (DPO), from the
+        forward's final hidden states `hidden` [T, hidden] (window i's rows start at `first_row`
+        + earlier windows' tokens), into `losses` as (sum, tokens, correct) like a window loss."""
+        row = first_row
+        for window in windows:
+            n = window.end - window.start
+            seq = self._sequence(window.job_id, window.sequence_id)
+            if seq is not None and seq.store is None and window.job_id not in errors:
+                try:
+                    start = seq.start
+                    loss = window_logprob_sum(self.model, hidden[row:row + n], start.token_ids,
+                                              start.loss_mask, window.start,
+                                              self.loss_chunk_rows)
+                    if not math.isfinite(loss.loss_sum):
+                        raise FloatingPointError(
+                            f"the reference log-probability is {-loss.loss_sum} in sequence "
+                            f"{window.sequence_id}: the reference model overflows")
+                    losses[(window.job_id, window.sequence_id)] = (
+                        loss.loss_sum, loss.num_tokens, loss.num_correct)
+                except Exception as e:  # this job's failure (OOM included), never the engine's
+                    self._fail(window.job_id, e, errors, "its reference window")
+            row += n
+
+    def run_backward(self, windows: list[BackwardWindow], errors: dict[str, str],
+                     grad_scales: list[tuple[str, int, float]] = ()) -> None:
+        for job_id, sequence_id, factor in grad_scales:
+            seq = self._sequence(job_id, sequence_id)
+            if seq is not None and seq.backward is not None and job_id not in errors:
+                seq.backward.residual_grad.mul_(factor)
         for window in windows:
             seq = self._sequence(window.job_id, window.sequence_id)
             if seq is None or window.job_id in errors:
@@ -517,7 +556,8 @@ class FinetuneRunner:
 
     def _count_bytes(self) -> None:
         self.num_activation_bytes = sum(
-            seq.store.num_bytes for job in self.jobs.values() for seq in job.sequences.values())
+            seq.store.num_bytes for job in self.jobs.values() for seq in job.sequences.values()
+            if seq.store is not None)
 
 
 def _drop_sequences(job: _Job, sequence_id: int | None = None) -> None:
@@ -525,7 +565,7 @@ def _drop_sequences(job: _Job, sequence_id: int | None = None) -> None:
     ids = list(job.sequences) if sequence_id is None else [sequence_id]
     for i in ids:
         seq = job.sequences.pop(i, None)
-        if seq is not None:
+        if seq is not None and seq.store is not None:
             seq.store.release()
 
 

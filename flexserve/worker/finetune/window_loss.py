@@ -32,6 +32,41 @@ DEFAULT_CHUNK_ROWS = 1024
 MIN_GEMM_ROWS = 8
 
 
+def _window_targets(token_ids: Sequence[int], loss_mask: Sequence[bool], start: int, n: int,
+                    chunk_rows: int, device: torch.device
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(window rows, target ids) of the counted targets of window [start, start + n) on
+    `device`, int64; (None, None) when none counts. ValueError when the window does not fit."""
+    if len(loss_mask) != len(token_ids) or not 0 <= start <= len(token_ids) - n:
+        raise ValueError(f"window [{start}, {start + n}) does not fit {len(token_ids)} tokens with "
+                         f"{len(loss_mask)} mask entries")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    positions = [p for p in range(start, min(start + n, len(token_ids) - 1)) if loss_mask[p + 1]]
+    if not positions:
+        return None, None
+    rows = torch.tensor([p - start for p in positions], dtype=torch.int64).to(device)
+    targets = torch.tensor([token_ids[p + 1] for p in positions], dtype=torch.int64).to(device)
+    return rows, targets
+
+
+def _accumulators(weight: torch.Tensor, device: torch.device
+                  ) -> tuple[torch.dtype, torch.Tensor, torch.Tensor]:
+    """The log-softmax dtype (wider than the model's), a zero loss sum and a zero count."""
+    loss_dtype = torch.float64 if weight.dtype == torch.float32 else torch.float32
+    return (loss_dtype, torch.zeros((), dtype=loss_dtype, device=device),
+            torch.zeros((), dtype=torch.int64, device=device))
+
+
+def _chunks(source: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_rows: int):
+    """(window rows, their targets, the rows of `source` padded to MIN_GEMM_ROWS) per chunk."""
+    for first in range(0, rows.shape[0], chunk_rows):
+        index = rows[first:first + chunk_rows]
+        x = source.index_select(0, index)
+        yield index, targets[first:first + chunk_rows], F.pad(
+            x, (0, 0, 0, max(0, MIN_GEMM_ROWS - index.shape[0])))
+
+
 @dataclass(slots=True)
 class WindowLoss:
     """The loss of one window, unscaled."""
@@ -65,27 +100,14 @@ def window_loss(
     if tuple(grad_out.shape) != (n, hidden) or grad_out.dtype != torch.float32:
         raise ValueError(f"grad_out must be fp32 [{n}, {hidden}], got {grad_out.dtype} "
                          f"{tuple(grad_out.shape)}")
-    if len(loss_mask) != len(token_ids) or not 0 <= start <= len(token_ids) - n:
-        raise ValueError(f"window [{start}, {start + n}) does not fit {len(token_ids)} tokens with "
-                         f"{len(loss_mask)} mask entries")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    positions = [p for p in range(start, min(start + n, len(token_ids) - 1)) if loss_mask[p + 1]]
+    rows, targets = _window_targets(token_ids, loss_mask, start, n, chunk_rows, stream.device)
     grad_out.zero_()
-    if not positions:
+    if rows is None:
         return WindowLoss(0.0, 0)
-    device = stream.device
-    rows = torch.tensor([p - start for p in positions], dtype=torch.int64).to(device)
-    targets = torch.tensor([token_ids[p + 1] for p in positions], dtype=torch.int64).to(device)
     norm, weight = model.model.norm, model.lm_head.weight
-    loss_dtype = torch.float64 if weight.dtype == torch.float32 else torch.float32
-    total = torch.zeros((), dtype=loss_dtype, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    for first in range(0, len(positions), chunk_rows):
-        index = rows[first:first + chunk_rows]
-        chunk_targets = targets[first:first + chunk_rows]
+    loss_dtype, total, correct = _accumulators(weight, stream.device)
+    for index, chunk_targets, x in _chunks(stream, rows, targets, chunk_rows):
         num = index.shape[0]
-        x = F.pad(stream.index_select(0, index), (0, 0, 0, max(0, MIN_GEMM_ROWS - num)))
         logits = F.linear(rmsnorm_forward(x, norm.weight, norm.variance_epsilon), weight)
         correct += (logits[:num].argmax(dim=-1) == chunk_targets).sum()
         # The softmax in place in one wide copy, whose model-dtype source then takes the
@@ -109,4 +131,34 @@ def window_loss(
         grad_out.index_copy_(0, index, grad[:num])
         del logits
     sums = torch.stack([total, correct.to(loss_dtype)]).tolist()
-    return WindowLoss(sums[0], len(positions), int(sums[1]))
+    return WindowLoss(sums[0], rows.shape[0], int(sums[1]))
+
+
+def window_logprob_sum(
+    model: Any,
+    hidden: torch.Tensor,
+    token_ids: Sequence[int],
+    loss_mask: Sequence[bool],
+    start: int,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> WindowLoss:
+    """The cross-entropy of a window's counted targets with no gradient: a DPO reference window.
+
+    hidden [n, hidden]: the model's final hidden states (after the final norm) at positions
+    [start, start + n). The same targets, wide log-softmax and chunking as `window_loss`; the
+    summed log-probability of the targets is -loss_sum.
+    """
+    rows, targets = _window_targets(token_ids, loss_mask, start, hidden.shape[0], chunk_rows,
+                                    hidden.device)
+    if rows is None:
+        return WindowLoss(0.0, 0)
+    weight = model.lm_head.weight
+    loss_dtype, total, correct = _accumulators(weight, hidden.device)
+    for index, chunk_targets, x in _chunks(hidden, rows, targets, chunk_rows):
+        logits = F.linear(x, weight)[:index.shape[0]]
+        correct += (logits.argmax(dim=-1) == chunk_targets).sum()
+        logprobs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
+        total -= logprobs.gather(1, chunk_targets[:, None]).sum()
+        del logits, logprobs
+    sums = torch.stack([total, correct.to(loss_dtype)]).tolist()
+    return WindowLoss(sums[0], rows.shape[0], int(sums[1]))
