@@ -300,7 +300,9 @@ def test_openapi_states_the_sampling_ranges(server):
     assert (fields["presence_penalty"]["minimum"], fields["presence_penalty"]["maximum"]) == (
         -2, 2)
     assert fields["repetition_penalty"]["exclusiveMinimum"] == 0
-    assert fields["max_tokens"]["minimum"] == 1
+    assert fields["max_tokens"]["minimum"] == 0  # 0 with echo: the prompt's logprobs only
+    chat = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert chat["max_completion_tokens"]["minimum"] == 1
     assert fields["n"]["anyOf"][0]["maximum"] == 128
     # every integer states the 64-bit range the server accepts
     assert fields["top_k"]["anyOf"][0]["maximum"] == 2**63 - 1
