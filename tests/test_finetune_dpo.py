@@ -133,7 +133,12 @@ def test_dpo_equals_hf_peft_adamw(llm, smollm2_dir, init_adapter, tmp_path, star
     check_against_fp64(ours, hf32, hf64, initial)
     # The first step starts at the reference: margin 0, loss log 2; later ones follow HF's.
     assert job.losses[0] == pytest.approx(0.6931471805599453, abs=1e-4)
-    assert job.losses == pytest.approx(losses64, rel=1e-3, abs=1e-5)
+    # Step losses: no further from the fp64 truth than 4x HF's own fp32 loop (the adapter's
+    # bound), or 1e-5 absolute.
+    assert len(job.losses) == len(losses64) == len(losses32)
+    for ours_loss, loss32, loss64 in zip(job.losses, losses32, losses64):
+        assert abs(ours_loss - loss64) <= max(4 * abs(loss32 - loss64), 1e-5), (
+            job.losses, losses32, losses64)
     metrics = job.dpo_metrics
     assert len(metrics) == 3 and set(metrics[0]) == {
         "loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"}
