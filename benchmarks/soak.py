@@ -23,6 +23,7 @@ Loopback only. Every loop is bounded in count and time and stops by itself.
     .venv/bin/python benchmarks/soak.py --rounds 20 --workers 6
     .venv/bin/python benchmarks/soak.py --duration-s 300 --num-jobs 2 --job-epochs 50 \
         --max-num-seqs 32 --max-queue-len 32 --requests-per-round 200   # the GPU soak
+    .venv/bin/python benchmarks/soak.py --model CONFIG_DIR --load-format dummy  # no weights file
     .venv/bin/python benchmarks/soak.py --url http://127.0.0.1:8000 --pid 1234 --model DIR
 """
 
@@ -532,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pid", type=int, help="its process id, for the RSS check")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--model", default=None, help="model dir [SmolLM2, converted once]")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights in the model dir's architecture (a dir "
+                        "with config.json and the tokenizer is enough) [auto]")
     parser.add_argument("--json", default=None, help="write the report here as JSON")
     for f in dataclasses.fields(SoakConfig):
         if f.name in ("adapter_dir",):
@@ -557,11 +561,17 @@ def main(argv: list[str] | None = None) -> int:
             report = asyncio.run(soak(args.url, config, args.pid, args.api_key))
         else:
             log_path = os.path.join(work, "server.log")
-            with serve(model_dir, os.path.join(work, "state"), config, log_path) as (url, pid):
+            extra = ("--load-format", args.load_format)
+            with serve(model_dir, os.path.join(work, "state"), config, log_path,
+                       extra) as (url, pid):
                 report = asyncio.run(soak(url, config, pid))
             if report.violations:
                 with open(log_path, encoding="utf-8", errors="replace") as f:
-                    print(f.read()[-4000:], file=sys.stderr)
+                    log = f.read()
+                first = log.find("Traceback")  # the first failure, then the end of the log
+                if 0 <= first < len(log) - 4000:
+                    print(log[first:first + 4000], "\n[...]", file=sys.stderr)
+                print(log[-4000:], file=sys.stderr)
     print(report.summary())
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

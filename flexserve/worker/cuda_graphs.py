@@ -18,6 +18,7 @@ number of splits chosen for max_model_len, so the grid does not change as contex
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
+from flexserve.worker import safe_capture
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 logger = logging.getLogger(__name__)
@@ -129,8 +131,8 @@ class CUDAGraphRunner:
                 self._forward(batch, lora)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(batch, lora)
+            out = safe_capture.capture(graph, self.pool, functools.partial(self._forward, batch, lora),
+                                       self.device)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[(batch, lora)] = graph

@@ -35,6 +35,7 @@ from torch import nn
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.device_copy import to_device
 from flexserve.layers.forward_context import set_forward_context
+from flexserve.worker import safe_capture
 from flexserve.worker.finetune.graph_capture import GraphCapture, KeptTensor
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta, segment_tile_map
 
@@ -136,6 +137,7 @@ class MixedGraphRunner:
         # key -> (graph, its output, its capture); CPU runs record keys only (no graphs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None,
                                        GraphCapture | None]] = {}
+        self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays_by_kind = {"plain": 0, "capture": 0}  # steps run, with windows or not
@@ -288,8 +290,8 @@ class MixedGraphRunner:
                 self._forward(tokens, rows, step, capture)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(tokens, rows, step, capture)
+        out = safe_capture.capture(
+            graph, self.pool, lambda: self._forward(tokens, rows, step, capture), self.device)
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[key] = (graph, out, capture)
@@ -316,10 +318,17 @@ class MixedGraphRunner:
                 if fewer >= tokens:
                     continue  # no step has more rows than tokens
                 key = (tokens, rows, lora_key, None if kept is None else _kept_key(kept))
-                if key in self.graphs or len(self.graphs) >= MAX_GRAPHS:
+                if key in self.graphs or key in self.eager_keys or len(self.graphs) >= MAX_GRAPHS:
                     continue
                 if self.device.type == "cuda":
-                    self._capture(key, step, log=False)
+                    try:
+                        self._capture(key, step, log=False)
+                    except safe_capture.CaptureFailed as e:
+                        logger.warning("mixed iterations of %d tokens and %d rows run eagerly: "
+                                       "%s", tokens, rows, e)
+                        self.eager_keys.add(key)
+                        self.pool = None  # torch refuses the failed capture's pool
+                        continue
                 else:  # the padded forward runs, with no graph to keep (tests)
                     self._forward(tokens, rows, step, self._new_capture(tokens, step))
                     self.graphs[key] = (None, None, None)
@@ -345,6 +354,7 @@ class MixedGraphRunner:
         """Forget the graphs that write fine-tuning activations (the arena they wrote is gone)."""
         for key in [k for k in self.graphs if k[3] is not None]:
             del self.graphs[key]
+        self.eager_keys = {k for k in self.eager_keys if k[3] is None}
 
     def run(self, step: MixedStep, key: tuple) -> tuple[torch.Tensor, GraphCapture | None]:
         """Replay (capturing first if new) the graph of `key` for this step: the hidden states
@@ -353,13 +363,21 @@ class MixedGraphRunner:
         tokens, rows = key[0], key[1]
         self.num_replays_by_kind["plain" if step.capture is None else "capture"] += 1
         self._write_inputs(step, tokens, rows)
-        if self.device.type != "cuda":  # the same padded forward without a graph (tests)
+        if self.device.type == "cuda" and key not in self.graphs and key not in self.eager_keys:
+            try:
+                self._capture(key, step)
+            except safe_capture.CaptureFailed as e:
+                logger.warning("mixed iterations of %d tokens and %d rows run eagerly: %s",
+                               tokens, rows, e)
+                self.eager_keys.add(key)
+                self.pool = None  # torch refuses the failed capture's pool
+        if self.device.type != "cuda" or key in self.eager_keys:
+            # The same padded forward without a graph (CPU, or a failed capture).
             capture = self._new_capture(tokens, step)
             out = self._forward(tokens, rows, step, capture)
-            self.graphs.setdefault(key, (None, None, None))
+            if self.device.type != "cuda":
+                self.graphs.setdefault(key, (None, None, None))
         else:
-            if key not in self.graphs:
-                self._capture(key, step)
             graph, out, capture = self.graphs[key]
             graph.replay()
         if capture is not None:

@@ -43,6 +43,7 @@ from flexserve.worker.finetune.layer_backward import (
     WindowUnsupported,
     _Window,
 )
+from flexserve.worker.safe_capture import CaptureFailed, capture
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,7 @@ class BackwardGraphs:
                         for name in (self._attention.outputs[0], *self._attention.inputs)}
         self._graphs: dict[tuple[int, int], _Graphs] = {}
         self._eager_layers: set[int] = set()  # layers whose pieces cannot run gathered
+        self.capture_failed = False  # a capture failed: the windows run eagerly
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -185,7 +187,16 @@ class BackwardGraphs:
                     continue
                 top = torch.cuda.CUDAGraph()
                 bottom = torch.cuda.CUDAGraph() if self._has_bottom(layer) else None
-                self._pieces(layer, bucket, eager=False, graphs=(top, bottom))
+                try:
+                    self._pieces(layer, bucket, eager=False, graphs=(top, bottom))
+                except CaptureFailed as e:
+                    # The same pieces run eagerly, padded to their buckets.
+                    logger.warning("backward windows run without CUDA graphs: %s", e)
+                    self._graphs.clear()
+                    self.use_graphs = False
+                    self.capture_failed = True  # its pool takes no more captures
+                    self.buffers.clear()
+                    return 0
                 self._graphs[(layer, bucket)] = _Graphs(top, bottom)
                 count += 1 + (bottom is not None)
         self.buffers.clear()
@@ -265,8 +276,6 @@ class BackwardGraphs:
                     between()
                 bottom()
                 return
-            with torch.cuda.graph(graphs[0], pool=self.pool):
-                top()
+            capture(graphs[0], self.pool, top, self.buffers.device)
             if graphs[1] is not None:
-                with torch.cuda.graph(graphs[1], pool=self.pool):
-                    bottom()
+                capture(graphs[1], self.pool, bottom, self.buffers.device)

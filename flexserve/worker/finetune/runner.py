@@ -255,6 +255,8 @@ class FinetuneRunner:
                                 self._backward_pool)
         t0 = time.perf_counter()
         count = graphs.prepare()
+        if graphs.capture_failed:
+            self._backward_pool = torch.cuda.graph_pool_handle()  # the failed one is refused
         if count:
             logger.info("fine-tuning job %s: %d backward-window graphs (%d row buckets up to "
                         "%d rows, two pieces per layer around attention) captured in %.1f s",
