@@ -79,8 +79,8 @@ CASES = [
     ("image-content-part", "POST", CH,
      chat(messages=[{"role": "user", "content": [
          {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
-     AUTH, 400, "messages.0.content.0", "image_url"),
-    ("empty-prompt", "POST", C, completion(prompt=""), AUTH, 400, "prompt", "empty"),
+     AUTH, 400, "messages.0.content.0.type", "image_url"),
+    ("empty-prompt", "POST", C, completion(prompt=""), AUTH, 400, "prompt", "at least 1"),
     ("token-id-outside-vocab", "POST", C, completion(prompt=[10**7]), AUTH, 400, "prompt",
      "vocabulary"),
     ("logit-bias-outside-vocabulary", "POST", C, completion(logit_bias={"50256": -100}), AUTH, 400,

@@ -167,7 +167,7 @@ def test_logit_bias_forces_and_bans_tokens(server, client):
 
 @pytest.mark.parametrize("bias, message", [
     ({"x": 1}, "token ids"), ({"99999999": 1}, "outside the vocabulary"),
-    ({"5": 101}, "[-100, 100]"), ({"-1": 1}, "outside the vocabulary"),
+    ({"5": 101}, "less than or equal to 100"), ({"-1": 1}, "outside the vocabulary"),
 ])
 def test_bad_logit_bias_is_a_400(client, bias, message):
     with pytest.raises(openai.BadRequestError) as e:

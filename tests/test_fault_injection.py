@@ -306,8 +306,11 @@ def test_openapi_states_the_sampling_ranges(server):
     assert fields["n"]["anyOf"][0]["maximum"] == 128
     # every integer states the 64-bit range the server accepts
     assert fields["top_k"]["anyOf"][0]["maximum"] == 2**63 - 1
+    # token ids: the model's vocabulary; new tokens: the context
     token_ids = fields["prompt"]["anyOf"][2]["items"]
-    assert (token_ids["minimum"], token_ids["maximum"]) == (-(2**63), 2**63 - 1)
+    models = httpx.get(server["url"] + "/v1/models", headers=auth(ALICE)).json()
+    assert token_ids["minimum"] == 0 and 0 < token_ids["maximum"] < 2**20
+    assert fields["max_tokens"]["maximum"] == models["data"][0]["max_model_len"] - 1
 
 
 # --------------------------------------------------------------------- admission by cost

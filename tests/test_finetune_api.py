@@ -420,7 +420,7 @@ def test_job_list_pages_newest_first(client, facts_file):
     assert [j.id for j in first.data] == [ids[1]] and first.has_more
     second = client.fine_tuning.jobs.list(limit=1, after=ids[1])
     assert [j.id for j in second.data] == [ids[0]]
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.fine_tuning.jobs.list(after="ftjob-000000000000000000000000")
     assert e.value.body["param"] == "after"
 

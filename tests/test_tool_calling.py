@@ -243,11 +243,15 @@ def test_tools_and_tool_messages_reach_the_chat_template(tokenizer):
             template_tokenizer.apply_chat_template(ref_messages, tools=TOOLS, tokenize=False,
                                                    add_generation_prompt=True),
             add_special_tokens=False))
-        bad = copy.deepcopy(messages)
-        bad[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=FAKE_MODEL, messages=bad, max_tokens=5)
-        assert e.value.body["param"] == "messages.1.tool_calls.0.function.arguments"
+        # a model's malformed call sent back reaches the template as its text
+        malformed = copy.deepcopy(messages)
+        malformed[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+        response = client.chat.completions.create(model=FAKE_MODEL, messages=malformed,
+                                                  tools=TOOLS, tool_choice="none", max_tokens=5)
+        assert response.usage.prompt_tokens == len(template_tokenizer.encode(
+            template_tokenizer.apply_chat_template(malformed, tools=TOOLS, tokenize=False,
+                                                   add_generation_prompt=True),
+            add_special_tokens=False))
     finally:
         thread.stop()
         engine.shutdown()

@@ -214,7 +214,10 @@ def build_app(
     state.health_monitor = health_monitor
     state.shutdown = GracefulShutdown(admission, engine, service, shutdown_grace_s)
     state.openapi = build_openapi(flexserve.__version__, api_key_required=keys is not None,
-                                  finetune=service is not None)
+                                  finetune=service is not None,
+                                  vocab_size=engine.info.vocab_size,
+                                  max_model_len=engine.info.max_model_len,
+                                  tool_call_parser=tool_call_parser is not None)
     return app
 
 

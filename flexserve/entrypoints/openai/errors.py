@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 _FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+# Tags of the chat message union (by role) in error locations: `messages.0.user.content`.
+_MESSAGE_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class APIError(Exception):
@@ -61,6 +63,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def model_not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", param="model",
                     code="model_not_found")
+
+
+def cursor_not_found(e: ValueError) -> APIError:
+    """A list's `after` names no item the caller can see (404, as for retrieving it)."""
+    return APIError(404, str(e), param="after", code="cursor_not_found")
 
 
 def error_response(status_code: int, message: str, type: str = "invalid_request_error",
@@ -139,6 +146,12 @@ def validation_error(e: ValidationError) -> APIError:
     if first["type"] == "model_type" and not first["loc"]:
         return bad_request("The request body must be a JSON object.", code="invalid_json")
     param = _param_of(first["loc"])
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):  # e.g. a message's role
+        tag = first.get("ctx", {}).get("discriminator", "").strip("'")
+        param = f"{param}.{tag}" if tag else param
+        if first["type"] == "union_tag_not_found":
+            return bad_request(f"Missing required parameter: '{param}'.", param=param,
+                               code="missing_required_parameter")
     messages = []
     for error in errors:
         if _param_of(error["loc"]) == param and error["msg"] not in messages:
@@ -146,17 +159,20 @@ def validation_error(e: ValidationError) -> APIError:
     if first["type"] == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param,
                            code="missing_required_parameter")
-    return bad_request(f"Invalid value for '{param}': {' or '.join(messages[:4])}.", param=param,
-                       code="invalid_value")
+    got = f" (got {first['input']!r})" if first["type"] == "literal_error" else ""
+    return bad_request(f"Invalid value for '{param}': {' or '.join(messages[:4])}{got}.",
+                       param=param, code="invalid_value")
 
 
 def _param_of(loc: tuple) -> str:
-    """`("messages", 0, "role")` -> "messages.0.role"; union-member tags are dropped."""
+    """`("messages", 0, "role")` -> "messages.0.role"; union-member tags are dropped, and so is
+    the tag of a discriminated union's member (`("messages", 0, "user", "content")`)."""
     parts = []
-    for item in loc:
+    for i, item in enumerate(loc):
         if isinstance(item, int):
             parts.append(str(item))
-        elif _FIELD.match(item) and item not in _TYPE_TAGS:
+        elif (_FIELD.match(item) and item not in _TYPE_TAGS
+              and not (i > 0 and isinstance(loc[i - 1], int) and item in _MESSAGE_ROLES)):
             parts.append(item)
     return ".".join(parts)
 

@@ -37,6 +37,8 @@ from flexserve.entrypoints.openai.protocol_finetune import (
     FineTuningJobEventList,
     FineTuningJobList,
 )
+from flexserve.entrypoints.openai.serving_files import MAX_LIST_LIMIT
+from flexserve.entrypoints.openai.serving_finetune import MAX_PAGE_LIMIT
 
 _ERRORS = {
     "400": "Invalid JSON, schema violation or bad value",
@@ -56,21 +58,108 @@ _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying"
                                 "schema": {"type": "string"}}}
 
 
+# Query parameters of the list operations (`limit` gets its bounds per operation).
+_QUERY_SCHEMAS: dict[str, dict[str, Any]] = {
+    "after": {"type": "string", "description": "The id of the last item of the previous page"},
+    "order": {"type": "string", "enum": ["asc", "desc"]},
+    "purpose": {"type": "string"},
+    "limit": {"type": "integer", "minimum": 1},
+}
+
+
+_INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}
+# Free-form JSON (tool arguments, JSON schemas, chat template arguments) as the server reads it:
+# integers and numbers within the 64-bit range that request_body.py enforces everywhere.
+_JSON_VALUE_REF = {"$ref": "#/components/schemas/JSONValue"}
+_JSON_VALUE = {"anyOf": [
+    {"type": "string"}, {"type": "integer", **_INT64}, {"type": "number", **_INT64},
+    {"type": "boolean"}, {"type": "null"},
+    {"type": "array", "items": _JSON_VALUE_REF},
+    {"type": "object", "additionalProperties": _JSON_VALUE_REF},
+]}
+
+
 class _Int64JsonSchema(GenerateJsonSchema):
     """Every integer states the 64-bit range the server accepts (request_body.py refuses larger
-    ones), unless the field has tighter bounds of its own."""
+    ones), unless the field has tighter bounds of its own; so does free-form JSON."""
 
     def int_schema(self, schema: core_schema.IntSchema) -> JsonSchemaValue:
         json_schema = super().int_schema(schema)
-        json_schema.setdefault("minimum", -(2**63))
-        json_schema.setdefault("maximum", 2**63 - 1)
+        for key, value in _INT64.items():
+            json_schema.setdefault(key, value)
+        return json_schema
+
+    def any_schema(self, schema: core_schema.AnySchema) -> JsonSchemaValue:
+        return dict(_JSON_VALUE_REF)
+
+    def model_schema(self, schema: core_schema.ModelSchema) -> JsonSchemaValue:
+        # Unknown fields are ignored, but read like the rest of the body.
+        json_schema = super().model_schema(schema)
+        if "properties" in json_schema:
+            json_schema.setdefault("additionalProperties", dict(_JSON_VALUE_REF))
         return json_schema
 
 
-def build_openapi(version: str, api_key_required: bool, finetune: bool = False
-                  ) -> dict[str, Any]:
+def token_id_pattern(vocab_size: int) -> str:
+    """A regular expression of the decimal token ids 0 ... vocab_size - 1 (no leading zeros)."""
+    top = str(vocab_size - 1)
+    options = ["0"] if len(top) > 1 else []
+    if len(top) > 2:
+        options.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    elif len(top) == 2:
+        options.append("[1-9]")
+    for i, digit in enumerate(top):  # as many digits as `top`: a smaller digit at position i
+        low = 1 if i == 0 and len(top) > 1 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            options.append(top[:i] + f"[{low}-{int(digit) - 1}]"
+                           + (f"[0-9]{{{rest}}}" if rest else ""))
+    options.append(top)
+    return "^(" + "|".join(options) + ")$"
+
+
+def _bound_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
+    """State the vocabulary in the request schemas that take token ids."""
+    ids = {"minimum": 0, "maximum": vocab_size - 1}
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    prompt[2]["items"].update(ids)  # one prompt's token ids
+    prompt[3]["items"]["items"].update(ids)  # several prompts' token ids
+    schemas["DetokenizeRequest"]["properties"]["tokens"]["items"].update(ids)
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = schemas[request]["properties"]["logit_bias"]["anyOf"][0]
+        bias["propertyNames"] = {"pattern": token_id_pattern(vocab_size)}
+
+
+def _bound_lengths(schemas: dict[str, Any], max_model_len: int) -> None:
+    """State the context length where a request asks for new tokens (prompt and completion
+    together must fit it too, which a schema cannot say)."""
+    for request, fields in (("CompletionRequest", ("max_tokens",)),
+                            ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens"))):
+        for name in fields:
+            schemas[request]["properties"][name]["maximum"] = max_model_len - 1
+
+
+def _without_auto_tool_choice(schemas: dict[str, Any]) -> None:
+    """A server without a tool-call parser reads no tool calls from free text: requests with
+    tools name their tool_choice, and it is not "auto"."""
+    chat = schemas["ChatCompletionRequest"]
+    chat["allOf"].append({
+        "if": {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                               "minItems": 1}}},
+        "then": {"required": ["tool_choice"],
+                 "properties": {"tool_choice": {"not": {"type": "null"}}}}})
+    for option in chat["properties"]["tool_choice"]["anyOf"]:
+        if option.get("enum") is not None:
+            option["enum"] = [v for v in option["enum"] if v != "auto"]
+
+
+def build_openapi(version: str, api_key_required: bool, finetune: bool = False,
+                  vocab_size: int | None = None, max_model_len: int | None = None,
+                  tool_call_parser: bool = True) -> dict[str, Any]:
     """The whole document; `/v1/*` operations declare bearer auth when a key is configured.
-    `finetune`: the files and fine-tuning jobs API is served too."""
+    `finetune`: the files and fine-tuning jobs API is served too; `vocab_size` and
+    `max_model_len`: the model's, which bound the token ids and lengths requests may ask for;
+    `tool_call_parser`: the server reads tool calls from free text (tool_choice "auto")."""
     models: list[type[BaseModel]] = [
         CompletionRequest, CompletionResponse, ChatCompletionRequest, ChatCompletionResponse,
         ChatCompletionStreamResponse, ModelList, ModelCard, VersionResponse, HealthStatus,
@@ -85,6 +174,13 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
         [(model, "validation") for model in models], ref_template="#/components/schemas/{model}",
         schema_generator=_Int64JsonSchema,
     )
+
+    if vocab_size is not None:
+        _bound_token_ids(schema["$defs"], vocab_size)
+    if max_model_len is not None:
+        _bound_lengths(schema["$defs"], max_model_len)
+    if not tool_call_parser:
+        _without_auto_tool_choice(schema["$defs"])
 
     def ref(model: type[BaseModel]) -> dict[str, Any]:
         return refs[(model, "validation")]
@@ -114,8 +210,12 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
                                    "`data: [DONE]` when `stream` is true",
                     "content": {
                         **json_body(response),
-                        "text/event-stream": {"schema": {"type": "string"},
-                                              "x-chunk-schema": ref(chunk)},
+                        # One server-sent event: its data is a chunk's JSON, or [DONE].
+                        "text/event-stream": {"schema": {
+                            "type": "object", "required": ["data"],
+                            "properties": {"data": {"type": "string"},
+                                           "event": {"type": "string"}}},
+                            "x-chunk-schema": ref(chunk)},
                     },
                 },
                 **errors(api_errors),
@@ -189,7 +289,7 @@ def build_openapi(version: str, api_key_required: bool, finetune: bool = False
                  "description": "OpenAI-compatible LLM serving"},
         "paths": paths,
         "components": {
-            "schemas": schema.get("$defs", {}),
+            "schemas": {**schema.get("$defs", {}), "JSONValue": _JSON_VALUE},
             "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
         },
     }
@@ -199,7 +299,8 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
     """The files and fine-tuning jobs operations (OpenAI's paths and objects)."""
 
     def operation(summary: str, response: type[BaseModel] | None, codes: tuple[str, ...],
-                  params: tuple[str, ...] = (), body: dict | None = None) -> dict[str, Any]:
+                  params: tuple[str, ...] = (), body: dict | None = None,
+                  files: bool = False) -> dict[str, Any]:
         content = (json_body(response) if response is not None
                    else {"application/octet-stream": {"schema": {"type": "string",
                                                                  "format": "binary"}}})
@@ -212,8 +313,12 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
         op["parameters"] = (
             [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
              for p in path_params]
-            + [{"name": p, "in": "query", "required": False,
-                "schema": {"type": "integer" if p == "limit" else "string"}} for p in query])
+            + [{"name": p, "in": "query", "required": False, "schema": _QUERY_SCHEMAS[p]}
+               for p in query])
+        if "limit" in query:  # the files list pages further than the jobs lists
+            limit = {"type": "integer", "minimum": 1,
+                     "maximum": MAX_LIST_LIMIT if files else MAX_PAGE_LIMIT}
+            op["parameters"][-len(query) + query.index("limit")]["schema"] = limit
         if body is not None:
             op["requestBody"] = {"required": True, "content": body}
         return op
@@ -225,12 +330,13 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
                                                "or chat messages); at most --max-upload-mb"},
                        "purpose": {"type": "string", "enum": ["fine-tune"]}}}}}
     ok, missing = ("400", "401", "429"), ("400", "401", "404")
+    missing_after = ("400", "401", "404", "429")  # 404: `after` names no item of the caller's
     return {
         "/v1/files": {
             "post": operation("Upload a training file (validated as JSONL)", FileObject, ok,
                               body=upload),
-            "get": operation("List the files of the API key's tenant, newest first", FileList, ok,
-                             ("purpose", "limit", "order", "after")),
+            "get": operation("List the files of the API key's tenant, newest first", FileList,
+                             missing_after, ("purpose", "limit", "order", "after"), files=True),
         },
         "/v1/files/{file_id}": {
             "get": operation("Retrieve a file", FileObject, missing, ("file_id",)),
@@ -244,7 +350,7 @@ def _finetune_paths(security: list, ref: Any, json_body: Any, errors: Any) -> di
             "post": operation("Create a fine-tuning job", FineTuningJob, ok,
                               body=json_body(FineTuningJobCreateRequest)),
             "get": operation("List the fine-tuning jobs of the API key's tenant, newest first",
-                             FineTuningJobList, ok, ("after", "limit")),
+                             FineTuningJobList, missing_after, ("after", "limit")),
         },
         "/v1/fine_tuning/jobs/{job_id}": {
             "get": operation("Retrieve a fine-tuning job", FineTuningJob, missing, ("job_id",)),

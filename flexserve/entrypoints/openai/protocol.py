@@ -9,9 +9,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+def _only_with(field: str, kind: str, then: dict[str, Any],
+               required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A JSON-schema condition: when `field` holds a `kind` value, the fields of `then` must hold
+    their values (and those of `required` be present). A rule between fields, which the
+    handlers check with a 400; stated in the OpenAPI document for schema-driven clients."""
+    return {"if": {"properties": {field: {"type": kind}}, "required": [field]},
+            "then": {"properties": {k: {"const": v} for k, v in then.items()},
+                     "required": list(required)}}
+
+
+# stream_options only with "stream": true (as OpenAI).
+_STREAM_OPTIONS_RULE = _only_with("stream_options", "object", {"stream": True}, ("stream",))
+MAX_PROMPTS_PER_REQUEST = 2048  # a list of prompts is batched work: bounded like OpenAI's batches
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 def random_id(prefix: str) -> str:
@@ -70,27 +87,28 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = _bounded(0.0, minimum=-2.0, maximum=2.0)
     n: int | None = Field(default=1, ge=1, le=128)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: _Text | list[_Text] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = _bounded(None, minimum=0.0)  # None: 1.0 as OpenAI
     top_p: float | None = _bounded(None, exclusiveMinimum=0.0, maximum=1.0)  # None: 1.0
     user: str | None = None  # the end user's id: accepted, never an account (the key's tenant is)
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # vLLM extras
     top_k: int | None = _bounded(None, minimum=-1)
     min_p: float | None = _bounded(None, minimum=0.0, maximum=1.0)
     repetition_penalty: float | None = _bounded(None, exclusiveMinimum=0.0)
     min_tokens: int = _bounded(0, minimum=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's structured outputs (at most one): a JSON schema, a regex, one of some strings, or an
     # EBNF grammar the output must follow
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[_Text], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
 
 
@@ -98,13 +116,22 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
+    # best_of is accepted equal to n only; the document states the simplest case of it.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_RULE,
+        _only_with("best_of", "integer", {"best_of": 1, "n": 1})]})
+
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A text, texts, one prompt's token ids, or several prompts' token ids; none empty.
+    prompt: (_Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)]
+             | _TokenIds
+             | Annotated[list[_TokenIds], Field(min_length=1,
+                                                max_length=MAX_PROMPTS_PER_REQUEST)])
     best_of: int | None = None  # accepted only equal to n: not supported otherwise
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     max_tokens: int | None = _bounded(16, minimum=0)  # 0: with echo, score the prompt only
-    suffix: str | None = None  # accepted only empty: not supported
+    suffix: Annotated[str, Field(max_length=0)] | None = None  # accepted only empty: not supported
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -139,21 +166,48 @@ CompletionStreamResponse = CompletionResponse
 
 
 # --------------------------------------------------------------------------------------- chat
-class ContentPart(OpenAIModel):
-    """One part of a message's content; only `{"type": "text", "text": ...}` is supported."""
+class TextContentPart(OpenAIModel):
+    """One part of a message's content: only text parts (`{"type": "text", "text": ...}`)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+class RequestFunctionCall(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text of the arguments object, or the object
+
+
+class RequestToolCall(OpenAIModel):
+    """A tool call of an assistant message sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: RequestFunctionCall
+
+
+class _Message(OpenAIModel):
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[RequestToolCall] | None = None
+
+
+class InstructionMessage(_Message):
+    """A system, developer or user message: its content is required."""
+
+    role: Literal["system", "developer", "user"]
+    content: list[TextContentPart] | str
+
+
+class ReplyMessage(_Message):
+    """An assistant message (its content may be null beside tool calls) or a tool result."""
+
+    role: Literal["assistant", "tool"]
+    content: list[TextContentPart] | str | None = None
+
+
+# One message of a conversation, told apart by its role.
+ChatMessage = Annotated[InstructionMessage | ReplyMessage, Field(discriminator="role")]
 
 
 class JSONSchemaFormat(OpenAIModel):
@@ -232,6 +286,15 @@ class DeltaToolCall(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_RULE,
+        _only_with("top_logprobs", "integer", {"logprobs": True}, ("logprobs",)),
+        # any tool_choice but "none" needs tools
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+            "not": {"anyOf": [{"const": "none"}, {"type": "null"}]}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array",
+                                                                   "minItems": 1}}}}]})
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)

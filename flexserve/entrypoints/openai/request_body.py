@@ -3,7 +3,8 @@
 JSON has no NaN or Infinity, yet parsers accept `NaN`, `Infinity` and numbers such as `1e400`
 that overflow to infinity; a sampling temperature or penalty of NaN would then produce garbage
 with a 200. Every number anywhere in a body must be finite, and every integer must fit in 64 bits
-(what SQLite, numpy and torch hold), whatever field holds it: 400 otherwise. Lone surrogates
+(what SQLite, numpy and torch hold), whatever field holds it: 400 otherwise. An integral number
+written as a float (`2.0`) is the integer it equals, as in JSON Schema. Lone surrogates
 (`"\\ud800"`) are refused by the parser itself (invalid JSON, 400).
 
 Bodies larger than `INLINE_PARSE_BYTES` are parsed on the app's `Offload` workers, so a 10 MB
@@ -50,7 +51,25 @@ def parse_json(model: type[M], raw: bytes) -> M:
             where, problem = found
             raise bad_request(f"Invalid value for '{where}': {problem}.", param=where or None,
                               code="invalid_value")
+        normalized = _integral_floats_as_ints(value)
+        if normalized is not value:
+            raw = pydantic_core.to_json(normalized)
     return model.model_validate_json(raw)
+
+
+def _integral_floats_as_ints(value: Any) -> Any:
+    """`value` with every integral float in the 64-bit range as an int (JSON does not tell 2.0
+    from 2, so an integer field takes either, as JSON Schema's `integer` does); the same object
+    when it has none."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and _MIN_INT64 <= value < 2.0**63 else value
+    if isinstance(value, dict):
+        items = {k: _integral_floats_as_ints(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, list):
+        items = [_integral_floats_as_ints(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
 
 
 def _bad_number_at(value: Any, path: str) -> tuple[str, str] | None:

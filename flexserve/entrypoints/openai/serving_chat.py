@@ -34,6 +34,7 @@ from flexserve.entrypoints.openai.protocol import (
     ChatTool,
     DeltaMessage,
     NamedToolChoice,
+    RequestToolCall,
     TopLogprob,
     now_s,
     random_id,
@@ -64,8 +65,6 @@ from flexserve.entrypoints.openai.tool_parsers import (
 )
 from flexserve.outputs import PositionLogprobs, RequestOutput
 from flexserve.sampling_params import SamplingParams, StructuredOutputsParams
-
-_CONTENT_REQUIRED_ROLES = ("system", "developer", "user")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -288,21 +287,10 @@ class OpenAIServingChat(OpenAIServing):
 def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them; content parts are joined text."""
     result = []
-    for i, message in enumerate(messages):
+    for message in messages:
         content = message.content
         if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"content part type {part.type!r} is not supported: this model takes "
-                        "text parts ({'type': 'text', 'text': ...}) only",
-                        param=f"messages.{i}.content.{j}")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        if content is None and message.role in _CONTENT_REQUIRED_ROLES:
-            raise bad_request(f"messages[{i}] ({message.role}) must have content",
-                              param=f"messages.{i}.content")
+            content = "\n".join(part.text for part in content)
         # OpenAI's "developer" role replaces "system"; templates only know the latter.
         entry: dict[str, Any] = {
             "role": "system" if message.role == "developer" else message.role,
@@ -313,26 +301,27 @@ def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         if message.tool_calls:
-            entry["tool_calls"] = [_template_tool_call(call, f"messages.{i}.tool_calls.{j}")
-                                   for j, call in enumerate(message.tool_calls)]
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
         result.append(entry)
     return result
 
 
-def _template_tool_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+def _template_tool_call(call: RequestToolCall) -> dict[str, Any]:
     """An assistant message's tool call for the template: OpenAI sends the arguments as JSON
-    text, templates (Llama 3, Qwen2.5) expect the object."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise bad_request("a tool call needs function.name", param=param)
-    arguments = function.get("arguments", {})
+    text, templates (Llama 3, Qwen2.5) expect the object. Arguments that are not a JSON object
+    (a model's own malformed call, sent back) reach the template as the text they are."""
+    arguments = call.function.arguments
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            raise bad_request(f"tool call arguments are not valid JSON: {e}",
-                              param=f"{param}.function.arguments") from None
-    return {**call, "function": {**function, "arguments": arguments}}
+            parsed = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+    entry = {"type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id is not None:
+        entry["id"] = call.id
+    return entry
 
 
 def _find_tool(tools: Sequence[ChatTool], name: str) -> ChatTool:

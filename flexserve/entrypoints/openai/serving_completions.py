@@ -39,8 +39,6 @@ from flexserve.entrypoints.openai.structured_outputs import request_structured_o
 from flexserve.outputs import PositionLogprobs, RequestOutput
 from flexserve.sampling_params import SamplingParams
 
-MAX_PROMPTS_PER_REQUEST = 2048  # a list of prompts is batched work: bounded like OpenAI's batches
-
 
 class OpenAIServingCompletion(OpenAIServing):
     """Turns a `CompletionRequest` into engine requests and their results into OpenAI's shape."""
@@ -230,14 +228,6 @@ async def _prompt_only(generator: AsyncIterator[RequestOutput]) -> AsyncIterator
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
     """The request's prompts: a string or one token-id list is one prompt."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
         return [prompt]  # type: ignore[list-item]
-    if len(prompt) > MAX_PROMPTS_PER_REQUEST:
-        raise bad_request(f"prompt holds {len(prompt)} prompts; at most "
-                          f"{MAX_PROMPTS_PER_REQUEST} are allowed in one request",
-                          param="prompt", code="invalid_value")
-    return list(prompt)
+    return list(prompt)  # the request model bounds their number

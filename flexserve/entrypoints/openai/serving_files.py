@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flexserve.entrypoints.openai.auth import owner_tenant
-from flexserve.entrypoints.openai.errors import APIError, bad_request
+from flexserve.entrypoints.openai.errors import APIError, bad_request, cursor_not_found
 from flexserve.entrypoints.openai.protocol_finetune import (
     FILE_PURPOSES,
     FileDeleted,
@@ -92,7 +92,7 @@ async def list_files(request: Request) -> Response:
                                           query.get("after"), limit + 1, order,
                                           owner_tenant(request))
     except ValueError as e:
-        raise bad_request(str(e), param="after", code="invalid_value") from e
+        raise cursor_not_found(e) from e
     data = [FileObject.from_record(r) for r in records[:limit]]
     return json_response(FileList(data=data, first_id=data[0].id if data else None,
                                   last_id=data[-1].id if data else None,

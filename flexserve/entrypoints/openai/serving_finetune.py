@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from flexserve.entrypoints.openai.auth import is_admin, owner_tenant
-from flexserve.entrypoints.openai.errors import APIError, bad_request
+from flexserve.entrypoints.openai.errors import APIError, bad_request, cursor_not_found
 from flexserve.entrypoints.openai.model_access import check_name
 from flexserve.entrypoints.openai.offload import Offload
 from flexserve.entrypoints.openai.protocol_finetune import (
@@ -87,7 +87,7 @@ async def list_jobs(request: Request) -> Response:
                                                  query.get("after"), limit,
                                                  owner_tenant(request))
     except ValueError as e:
-        raise bad_request(str(e), param="after", code="invalid_value") from e
+        raise cursor_not_found(e) from e
     service = _service(request)
     return json_response(FineTuningJobList(
         data=[FineTuningJob.from_record(j, service.estimated_finish(j.id)) for j in jobs],
@@ -158,7 +158,7 @@ async def _job_page(request: Request, lister: str, default_limit: int) -> tuple[
         return await asyncio.to_thread(getattr(service.store, lister), job_id, query.get("after"),
                                        limit)
     except ValueError as e:
-        raise bad_request(str(e), param="after", code="invalid_value") from e
+        raise cursor_not_found(e) from e
 
 
 async def _require_job(service: FinetuneService, job_id: str, tenant: str) -> JobRecord:
