@@ -156,9 +156,19 @@ class FinetuneConfig:
     # under a budget, put every other layer in pinned host memory before any goes to remat
     # chains (`flexserve.worker.finetune.activation_offload`)
     activation_offload: bool = False
+    # each MILP stage's time limit when sequences of the running jobs are packed into bins
+    # (`flexserve.finetune.packing`); 0: greedy packing only
+    packing_time_limit_s: float = 0.05
+    max_length_buckets: int = 4  # LobRA's length buckets of a round's sequences (1: none)
 
     def __post_init__(self) -> None:
         _positive("max_finetune_len", self.max_finetune_len, allow_none=True)
+        if (isinstance(self.packing_time_limit_s, bool)
+                or not isinstance(self.packing_time_limit_s, (int, float))
+                or not 0 <= self.packing_time_limit_s <= 60):
+            raise ValueError(f"packing_time_limit_s must be in [0, 60] seconds, got "
+                             f"{self.packing_time_limit_s!r}")
+        _positive_int("max_length_buckets", self.max_length_buckets)
         _positive_int("loss_chunk_rows", self.loss_chunk_rows)
         _positive("activation_budget_gib", self.activation_budget_gib, allow_none=True)
         if self.activation_budget_gib is not None and not self.activation_budget_gib < float("inf"):

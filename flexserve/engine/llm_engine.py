@@ -78,6 +78,7 @@ class LLMEngine:
             coserve_config=config.coserve,
             latency_model=OnlineLatencyModel(self._load_latency_profile(config, info)),
             vocab_size=info.vocab_size,
+            finetune_config=config.finetune,
         )
         self.core = EngineCore(self.scheduler, executor, config.scheduler.async_scheduling)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
