@@ -28,10 +28,10 @@ from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfi
 from flexserve.engine.finetune_capacity import FinetuneCapacityError
 from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
-from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
 
 from _tokenizer import tiny_byte_level_tokenizer
+from _training_data import random_training_data
 
 MAX_RELATIVE_ERROR = 1e-4
 
@@ -45,26 +45,17 @@ def model_dir(tiny_config, tiny_checkpoint):
     return path
 
 
-def make_data(lengths: list[int], seed: int, vocab_size: int = 256) -> TrainingData:
-    g = torch.Generator().manual_seed(seed)
-    examples = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(0, vocab_size, (n,), generator=g).tolist()
-        examples.append(TrainingExample(i + 1, ids, [False] + [True] * (n - 1)))
-    return TrainingData("text", examples, [], sum(lengths), sum(n - 1 for n in lengths))
-
-
 JOBS = {  # different ranks, targets, lengths, batch sizes, schedules, clipping and dropout
-    "a": (make_data([5, 9, 3, 12, 7, 4, 6, 11], seed=1), Hyperparameters.from_dict({
+    "a": (random_training_data([5, 9, 3, 12, 7, 4, 6, 11], seed=1), Hyperparameters.from_dict({
         "batch_size": 4, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-3,
         "lr_scheduler": "constant", "max_grad_norm": None,
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}})),
-    "b": (make_data([14, 6, 9, 4, 13, 8], seed=2), Hyperparameters.from_dict({
+    "b": (random_training_data([14, 6, 9, 4, 13, 8], seed=2), Hyperparameters.from_dict({
         "batch_size": 3, "n_epochs": 1, "shuffle": True, "seed": 7, "learning_rate": 3e-3,
         "lr_scheduler": "linear", "max_grad_norm": 0.5,
         "lora": {"r": 4, "alpha": 8, "dropout": 0.1,
                  "target_modules": ["k_proj", "o_proj", "gate_proj", "up_proj"]}})),
-    "c": (make_data([20, 17, 22, 18], seed=3), Hyperparameters.from_dict({
+    "c": (random_training_data([20, 17, 22, 18], seed=3), Hyperparameters.from_dict({
         "batch_size": 2, "n_epochs": 2, "shuffle": False, "learning_rate": 2e-3,
         "lr_scheduler": "cosine", "max_grad_norm": 1.0,
         "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "up_proj", "down_proj"]}})),

@@ -23,11 +23,12 @@ import pytest
 import torch
 
 from flexserve import LLM, SamplingParams
-from flexserve.finetune.data import TrainingData, TrainingExample
+from flexserve.finetune.data import TrainingData
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.packing import PackItem, pack_items
 
 from _hf_training import train_hf_peft
+from _training_data import random_training_data
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 LENGTHS = [5, 9, 3, 12, 7, 4, 6, 11, 8, 3, 10, 5]  # two steps of six short examples
@@ -74,15 +75,6 @@ def init_adapter(model_dir, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("init"))
     peft_model.save_pretrained(path)
     return path
-
-
-def make_data(lengths: list[int], seed: int, vocab_size: int = 256) -> TrainingData:
-    g = torch.Generator().manual_seed(seed)
-    examples = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(0, vocab_size, (n,), generator=g).tolist()
-        examples.append(TrainingExample(i + 1, ids, [False] + [True] * (n - 1)))
-    return TrainingData("text", examples, [], sum(lengths), sum(n - 1 for n in lengths))
 
 
 def hyperparameters(**lora) -> Hyperparameters:
@@ -155,7 +147,7 @@ def change_error(ours: dict, truth: dict, initial: dict) -> float:
 
 
 def test_packing_is_faster_and_trains_the_same_adapter(model_dir, init_adapter, tmp_path):
-    data, hp = make_data(LENGTHS, seed=1), hyperparameters()
+    data, hp = random_training_data(LENGTHS, seed=1), hyperparameters()
     (initial,), (packed,), num_packed = train(new_llm(model_dir), [(data, hp, init_adapter)],
                                               tmp_path / "packed")
     _, (unpacked,), num_unpacked = train(new_llm(model_dir), [(data, hp, init_adapter)],
@@ -191,8 +183,8 @@ def test_packing_is_faster_and_trains_the_same_adapter(model_dir, init_adapter, 
 def test_two_concurrent_jobs_each_train_the_adapter_they_train_alone(model_dir, init_adapter,
                                                                        tmp_path):
     # Different data, shapes, dropout and learning rates: nothing may leak between the jobs.
-    job_a = (make_data(LENGTHS, seed=1), hyperparameters(), init_adapter)
-    job_b = (make_data([14, 6, 9, 4, 13, 8, 5, 10], seed=2),
+    job_a = (random_training_data(LENGTHS, seed=1), hyperparameters(), init_adapter)
+    job_b = (random_training_data([14, 6, 9, 4, 13, 8, 5, 10], seed=2),
              Hyperparameters.from_dict({
                  "batch_size": 4, "n_epochs": 1, "shuffle": True, "seed": 7,
                  "learning_rate": 3e-3, "lr_scheduler": "linear", "max_grad_norm": 0.5,
