@@ -161,8 +161,8 @@ class FinetuneConfig:
     # under a budget, put every other layer in pinned host memory before any goes to remat
     # chains (`flexserve.worker.finetune.activation_offload`)
     activation_offload: bool = False
-    # each MILP stage's time limit when sequences of the running jobs are packed into bins
-    # (`flexserve.finetune.packing`); 0: greedy packing only
+    # time limit of the MILP packing of a round of the running jobs' sequences into bins, all
+    # stages together (`flexserve.finetune.packing`; it runs on the engine thread); 0: greedy only
     packing_time_limit_s: float = 0.05
     max_length_buckets: int = 4  # LobRA's length buckets of a round's sequences (1: none)
     # GiB for fine-tuning jobs: their LoRA slots and training state (fp32 adapter weights,

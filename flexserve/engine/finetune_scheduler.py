@@ -273,7 +273,7 @@ class FinetuneScheduler:
         self.num_layers = num_layers
         self.max_finetune_len = max_finetune_len
         self.vocab_size = vocab_size  # for `collapsed_reason`; None: not checked
-        self.packing_time_limit_s = packing_time_limit_s  # each MILP stage's; 0: greedy only
+        self.packing_time_limit_s = packing_time_limit_s  # a round's MILPs'; 0: greedy only
         self.max_length_buckets = max_length_buckets  # LobRA's R
         self.jobs: dict[str, FinetuneJobState] = {}  # every job not yet removed, in start order
         self.default_picker = FirstStartedPicker()

@@ -17,9 +17,10 @@ Algorithm 1, for one round (the current optimizer step of every job in it):
    of the last bin, a linear objective;
 4. the greedy packing is returned when the MILP did not beat it (same bins, a smallest bin no
    smaller).
-Both MILPs run under `time_limit_s` (HiGHS through `scipy.optimize.milp`, the `packing` extra);
-a solver that runs out of time without a solution, an unavailable scipy, a zero time limit or a
-round too large for the solver's budget keep the greedy packing. Where the greedy packing meets
+Both MILPs share `time_limit_s` (HiGHS through `scipy.optimize.milp`, the `packing` extra): the
+packing runs on the engine thread, so a round never stalls an iteration longer than that. A
+solver that runs out of time without a solution, an unavailable scipy, a zero time limit or a
+round too large for the solver keep the greedy packing. Where the greedy packing meets
 the lower bounds already (ceil(total / capacity) bins, a smallest bin of total - (B - 1) *
 capacity tokens) no solver runs. Not taken from the paper: adapter grouping and the merge across
 global batches (they keep the pipeline-parallel bubble lemma; one engine has no pipeline and each
@@ -33,6 +34,7 @@ length, each bucket is packed as above, and underfilled bins are then merged acr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,8 +109,10 @@ def greedy_packing(items: Sequence[PackItem], capacity: int, max_bin_blocks: int
 
 def pack_items(items: Sequence[PackItem], capacity: int, max_bin_blocks: int | None = None,
                time_limit_s: float = 0.05, padding_multiple: int = 1) -> Packing:
-    """Algorithm 1 of LoRAFusion for one round of items (see the module docstring)."""
+    """Algorithm 1 of LoRAFusion for one round of items (see the module docstring); both MILP
+    stages together take at most `time_limit_s`."""
     _check(items, capacity, max_bin_blocks, padding_multiple)
+    deadline = time.monotonic() + time_limit_s
     # Items over the capacity are bins of their own, first (longest first); the rest is packed.
     oversized = sorted((i for i, item in enumerate(items)
                         if -(-item.num_tokens // padding_multiple) * padding_multiple > capacity),
@@ -119,7 +123,7 @@ def pack_items(items: Sequence[PackItem], capacity: int, max_bin_blocks: int | N
     bins, method = greedy, "greedy"
     if sub and time_limit_s > 0 and not _greedy_is_optimal(sub, greedy, capacity,
                                                            padding_multiple):
-        solved = _milp_packing(sub, greedy, capacity, max_bin_blocks, time_limit_s,
+        solved = _milp_packing(sub, greedy, capacity, max_bin_blocks, deadline,
                                padding_multiple)
         if solved is not None:
             bins, method = solved, "milp"
@@ -139,7 +143,7 @@ def _greedy_is_optimal(items: Sequence[PackItem], bins: list[list[int]], capacit
 
 
 def _milp_packing(items: Sequence[PackItem], greedy: list[list[int]], capacity: int,
-                  max_bin_blocks: int | None, time_limit_s: float, multiple: int
+                  max_bin_blocks: int | None, deadline: float, multiple: int
                   ) -> list[list[int]] | None:
     """Stages 1 and 2 (equations 3 and 4); None where the greedy packing stands (line 10)."""
     global _scipy_missing_logged
@@ -155,11 +159,14 @@ def _milp_packing(items: Sequence[PackItem], greedy: list[list[int]], capacity: 
     groups = sorted({item.group for item in items})
     if len(items) * num_bins + len(groups) * num_bins > MAX_MILP_VARIABLES:
         return None
-    best = min_bins(items, groups, num_bins, capacity, max_bin_blocks, time_limit_s, multiple)
+    best = min_bins(items, groups, num_bins, capacity, max_bin_blocks,
+                    deadline - time.monotonic(), multiple)
     if best is None or best >= num_bins:
         best = num_bins
-    bins = min_smallest_bin(items, groups, best, capacity, max_bin_blocks, time_limit_s,
-                            multiple)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None
+    bins = min_smallest_bin(items, groups, best, capacity, max_bin_blocks, left, multiple)
     if bins is None:
         return None
     bins = [sorted(members) for members in bins if members]
@@ -193,8 +200,10 @@ def pack_round(items: Sequence[PackItem], capacity: int, max_bin_blocks: int | N
                ) -> Packing:
     """Bins for one round of several jobs' items: length buckets (LobRA), each bucket packed by
     `pack_items`, then underfilled bins merged across buckets (first fit, longest bucket's bins
-    first). With one bucket this is `pack_items`."""
+    first). With one bucket this is `pack_items`. All MILPs together take at most
+    `time_limit_s`."""
     _check(items, capacity, max_bin_blocks, 1)
+    deadline = time.monotonic() + time_limit_s
     buckets = bucket_lengths([item.num_tokens for item in items], max_buckets, bucket_interval)
     if len(buckets.boundaries) <= 1:
         return pack_items(items, capacity, max_bin_blocks, time_limit_s)
@@ -202,7 +211,8 @@ def pack_round(items: Sequence[PackItem], capacity: int, max_bin_blocks: int | N
     methods = set()
     for k in reversed(range(len(buckets.boundaries))):  # the longest bucket first
         members = [i for i, b in enumerate(buckets.bucket_of) if b == k]
-        packed = pack_items([items[i] for i in members], capacity, max_bin_blocks, time_limit_s)
+        packed = pack_items([items[i] for i in members], capacity, max_bin_blocks,
+                            max(deadline - time.monotonic(), 0.0))
         methods.add(packed.method)
         bins.extend([members[i] for i in b] for b in packed.bins)
     bins = _merge_underfilled(items, bins, capacity, max_bin_blocks)

@@ -82,6 +82,8 @@ def _model(items: Sequence, groups: list[str], num_bins: int, capacity: int,
 
 def _solve(c: np.ndarray, integrality: np.ndarray, upper: np.ndarray,
            constraint: LinearConstraint, lower: np.ndarray, time_limit_s: float):
+    if time_limit_s <= 0:
+        return None
     result = milp(c, integrality=integrality, bounds=Bounds(lower, upper),
                   constraints=constraint, options={"time_limit": time_limit_s, "disp": False})
     return None if result.x is None else np.rint(result.x).astype(np.int64)

@@ -136,8 +136,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "32]")
     group.add_argument("--finetune-packing-time-limit", type=float,
                        default=finetune.packing_time_limit_s, metavar="S",
-                       help="time limit of each MILP stage when the running jobs' sequences are "
-                            "packed into bins (needs scipy); 0: greedy packing [%(default)s]")
+                       help="time limit of the MILP packing of the running jobs' sequences into "
+                            "bins, per round, on the engine thread (needs scipy); 0: greedy "
+                            "packing [%(default)s]")
     group.add_argument("--finetune-length-buckets", type=int,
                        default=finetune.max_length_buckets,
                        help="length buckets the sequences of a packing round are grouped in "
