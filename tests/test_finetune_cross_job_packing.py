@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from flexserve.finetune import packing
 from flexserve.finetune.bucketing import bucket_lengths
-from flexserve.finetune.packing import PackItem, greedy_packing, pack_items, pack_round
+from flexserve.finetune.packing import (
+    PackItem,
+    greedy_packing,
+    pack_items,
+    pack_jobs,
+    pack_round,
+)
 
 
 def check_packing(items: list[PackItem], bins: list[list[int]], capacity: int,
@@ -149,3 +155,26 @@ def test_bucketing_examples():
     assert bucket_lengths([3, 5, 4, 100, 98], 1).padding == 97 + 95 + 96 + 2
     # 256-token intervals: everything below 256 shares one interval, hence one bucket.
     assert bucket_lengths([3, 200, 40], 4, 256).boundaries == (200,)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ITEMS, st.dictionaries(st.sampled_from("abc"), st.sampled_from([None, 16, 40]),
+                              min_size=3, max_size=3))
+def test_a_round_of_several_jobs_keeps_each_jobs_capacity(raw, capacities):
+    items = [PackItem(group, n, -(-n // 4)) for group, n in raw]
+    max_blocks = max(12, max(it.num_blocks for it in items))
+    packed = pack_jobs(items, capacities, max_blocks, 0.2, 2, 8)
+    placed = sorted(i for members in packed.bins for i in members)
+    assert placed == list(range(len(items)))
+    with_capacity = [capacities[it.group] for it in items if capacities[it.group] is not None]
+    for members in packed.bins:
+        bounded = [i for i in members if capacities[items[i].group] is not None]
+        if len(bounded) > 1:
+            assert sum(items[i].num_tokens for i in bounded) <= min(with_capacity)
+        if len(members) > 1:
+            assert sum(items[i].num_blocks for i in members) <= max_blocks
+    for group, capacity in capacities.items():
+        if capacity is None:  # one item per bin, in order
+            where = [k for i in range(len(items)) if items[i].group == group
+                     for k, members in enumerate(packed.bins) if i in members]
+            assert where == sorted(set(where))

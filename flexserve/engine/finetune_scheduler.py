@@ -59,7 +59,7 @@ from flexserve.engine.divergence import collapsed_reason
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
 from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
 from flexserve.finetune.dpo import DPOMetrics, dpo_pair
-from flexserve.finetune.packing import PackItem, load_solver, pack_round
+from flexserve.finetune.packing import PackItem, load_solver, pack_jobs
 
 # LobRA's interval width: bucket bounds at multiples of this many tokens (its default, 256)
 BUCKET_INTERVAL = 256
@@ -460,32 +460,12 @@ class FinetuneScheduler:
         for job in jobs:
             entries.extend((job, members, tokens, blocks)
                            for members, tokens, blocks in self._job_items(job))
-        packed_ids = [i for i, (job, *_) in enumerate(entries) if job.pack_capacity is not None]
-        bins: list[list[int]] = []
-        if packed_ids:
-            capacity = min(entries[i][0].pack_capacity for i in packed_ids)
-            items = [PackItem(entries[i][0].job_id, entries[i][2], entries[i][3])
-                     for i in packed_ids]
-            packing = pack_round(items, capacity, self.kv.num_blocks, self.packing_time_limit_s,
-                                 self.max_length_buckets, BUCKET_INTERVAL)
-            self.packing_methods[packing.method] += 1
-            bins = [[packed_ids[i] for i in members] for members in packing.bins]
-        # A job without a capacity runs one item per bin, beside the others' items where the
-        # bin's KV blocks still fit an idle cache.
-        blocks = [sum(entries[i][3] for i in members) for members in bins]
-        after: dict[str, int] = {}
-        for i, (job, _, _, num_blocks) in enumerate(entries):
-            if job.pack_capacity is not None:
-                continue
-            k = after.get(job.job_id, 0)
-            while k < len(bins) and blocks[k] + num_blocks > self.kv.num_blocks:
-                k += 1
-            if k == len(bins):
-                bins.append([])
-                blocks.append(0)
-            bins[k].append(i)
-            blocks[k] += num_blocks
-            after[job.job_id] = k + 1
+        packing = pack_jobs([PackItem(job.job_id, tokens, blocks)
+                             for job, _, tokens, blocks in entries],
+                            {job.job_id: job.pack_capacity for job in jobs}, self.kv.num_blocks,
+                            self.packing_time_limit_s, self.max_length_buckets, BUCKET_INTERVAL)
+        self.packing_methods[packing.method] += 1
+        bins = packing.bins
         self.round = []
         for job in jobs:
             job.bins, job.next_bin = [], 0

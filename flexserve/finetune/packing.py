@@ -29,13 +29,15 @@ job's bins never cross its optimizer step).
 `pack_round` adds LobRA's length buckets (`flexserve.finetune.bucketing`): items are bucketed by
 length, each bucket is packed as above, and underfilled bins are then merged across buckets
 (first-fit, longest bucket first) so the bucketing costs no more bins than the capacity forces.
+`pack_jobs` packs a round of several jobs: the items of jobs with a capacity by `pack_round`,
+those of a job without one one per bin, beside the others'.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from flexserve.finetune.bucketing import bucket_lengths
@@ -254,3 +256,37 @@ def _merge_underfilled(items: Sequence[PackItem], bins: list[list[int]], capacit
                 merged[j].append(i)
             merged[k] = []
     return [sorted(members) for members in merged if members]
+
+
+def pack_jobs(items: Sequence[PackItem], capacities: Mapping[str, int | None],
+              max_bin_blocks: int | None = None, time_limit_s: float = 0.05,
+              max_buckets: int = 1, bucket_interval: int = 256) -> Packing:
+    """A round's bins for the items of several jobs (`PackItem.group`: the job). The items of
+    jobs with a capacity are packed by `pack_round` under the smallest of their capacities; a
+    job whose capacity is None runs one item per bin, in order, each beside the other jobs'
+    items in the first later bin whose KV blocks still fit `max_bin_blocks`."""
+    packed = [i for i, item in enumerate(items) if capacities[item.group] is not None]
+    bins: list[list[int]] = []
+    method = "greedy"
+    if packed:
+        capacity = min(capacities[items[i].group] for i in packed)
+        packing = pack_round([items[i] for i in packed], capacity, max_bin_blocks, time_limit_s,
+                             max_buckets, bucket_interval)
+        method = packing.method
+        bins = [[packed[i] for i in members] for members in packing.bins]
+    blocks = [sum(items[i].num_blocks for i in members) for members in bins]
+    after: dict[str, int] = {}  # a job without a capacity: the first bin its next item may join
+    for i, item in enumerate(items):
+        if capacities[item.group] is not None:
+            continue
+        k = after.get(item.group, 0)
+        while k < len(bins) and max_bin_blocks is not None and (
+                blocks[k] + item.num_blocks > max_bin_blocks):
+            k += 1
+        if k == len(bins):
+            bins.append([])
+            blocks.append(0)
+        bins[k].append(i)
+        blocks[k] += item.num_blocks
+        after[item.group] = k + 1
+    return Packing([sorted(members) for members in bins], method)
