@@ -24,7 +24,14 @@ import torch
 from safetensors.torch import load_file
 
 from flexserve import LLM
-from flexserve.config import CacheConfig, CoserveConfig, EngineConfig, LoRAConfig, ModelConfig
+from flexserve.config import (
+    CacheConfig,
+    CoserveConfig,
+    EngineConfig,
+    FinetuneConfig,
+    LoRAConfig,
+    ModelConfig,
+)
 from flexserve.engine.finetune_capacity import FinetuneCapacityError
 from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
@@ -165,12 +172,13 @@ TEXTS = ["the quick brown fox jumps", "over the lazy dog", "héllo wörld café"
          "café au lait", "quick brown dogs", "the dog jumps over the fox"]
 
 
-def serve(model_dir: str, state_dir: str, **lora):
+def serve(model_dir: str, state_dir: str, job_memory_gib: float | None = None, **lora):
     from flexserve.finetune.service import FinetuneServiceConfig
 
     config = EngineConfig(model=ModelConfig(model=model_dir, max_model_len=128),
                           cache=CacheConfig(kv_cache_gib=0.02),
                           lora=LoRAConfig(max_lora_rank=4, **lora),
+                          finetune=FinetuneConfig(job_memory_gib=job_memory_gib),
                           coserve=CoserveConfig(slo_tpot_ms=None))
     engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name="tiny",
@@ -246,6 +254,31 @@ def test_a_job_without_room_stays_queued_and_says_why(model_dir, tmp_path):
                            "are held by running jobs."]
         assert client.fine_tuning.jobs.retrieve(second.id).status in ("queued", "running")
         assert [job.status for job in wait_all(client, [first, second])] == ["succeeded"] * 2
+    finally:
+        thread.stop()
+        engine.shutdown()
+
+
+def test_a_job_whose_state_can_never_fit_is_a_400(model_dir, tmp_path):
+    # One rank-4 fp32 slot over the 7 projections of 2 layers (in + out: 2048) is 64 KiB; with
+    # 192 KiB in all, 128 KiB are left for states: rank 4 on q and v (56 KiB) fits, rank 4 on
+    # all seven projections (256 KiB) never will.
+    engine, thread, client = serve(model_dir, str(tmp_path), job_memory_gib=192 / (1 << 20),
+                                   max_finetune_loras=1)
+    try:
+        file_id = client.files.create(file=("a.jsonl", "".join(
+            json.dumps({"text": t}) + "\n" for t in TEXTS[:2]).encode()),
+            purpose="fine-tune").id
+        with pytest.raises(openai.BadRequestError) as e:
+            client.fine_tuning.jobs.create(model="tiny", training_file=file_id, extra_body={
+                "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj",
+                                                                "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"]}})
+        assert e.value.body["param"] == "lora.r" and e.value.body["code"] == "invalid_value"
+        assert "exceeds the 0.1 MiB fine-tuning jobs have" in e.value.body["message"]
+        job = client.fine_tuning.jobs.create(model="tiny", training_file=file_id, extra_body={
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}})
+        assert wait_all(client, [job])[0].status == "succeeded"
     finally:
         thread.stop()
         engine.shutdown()

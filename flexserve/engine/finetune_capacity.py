@@ -88,11 +88,9 @@ class FinetuneCapacity:
         return STATE_BYTES_PER_PARAM * adapter_num_params(self.num_layers, self.target_features,
                                                           rank, targets)
 
-    def reserve(self, job_id: str, rank: int, targets: list[str] | tuple[str, ...]) -> int:
-        """A free slot for the job, its state counted; FinetuneCapacityError when it must wait,
-        ValueError when it can never fit."""
-        if job_id in self._jobs:
-            raise ValueError(f"fine-tuning job {job_id!r} holds a slot already")
+    def check_fits(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+        """The state bytes of a job of this rank and targets; ValueError when they exceed the
+        whole budget (the job could never start)."""
         need = self.state_bytes(rank, targets)
         if need > self.state_budget_bytes:
             raise ValueError(
@@ -100,6 +98,14 @@ class FinetuneCapacity:
                 f"{need / MIB:.1f} MiB of fp32 weights, gradients and AdamW moments) exceeds the "
                 f"{self.state_budget_bytes / MIB:.1f} MiB fine-tuning jobs have: lower the rank "
                 "or the target modules, or raise --finetune-job-memory-gib")
+        return need
+
+    def reserve(self, job_id: str, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+        """A free slot for the job, its state counted; FinetuneCapacityError when it must wait,
+        ValueError when it can never fit."""
+        if job_id in self._jobs:
+            raise ValueError(f"fine-tuning job {job_id!r} holds a slot already")
+        need = self.check_fits(rank, targets)
         taken = {slot for slot, _ in self._jobs.values()}
         free = [s for s in range(self.first_slot, self.first_slot + self.num_slots)
                 if s not in taken]
