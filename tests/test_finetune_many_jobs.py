@@ -24,14 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from flexserve import LLM
-from flexserve.config import (
-    CacheConfig,
-    CoserveConfig,
-    EngineConfig,
-    FinetuneConfig,
-    LoRAConfig,
-    ModelConfig,
-)
+from flexserve import config as cfg
 from flexserve.engine.finetune_capacity import FinetuneCapacityError
 from flexserve.entrypoints.engine_builder import build_async_engine
 from flexserve.entrypoints.openai.api_server import ServerThread, build_app
@@ -175,11 +168,11 @@ TEXTS = ["the quick brown fox jumps", "over the lazy dog", "héllo wörld café"
 def serve(model_dir: str, state_dir: str, job_memory_gib: float | None = None, **lora):
     from flexserve.finetune.service import FinetuneServiceConfig
 
-    config = EngineConfig(model=ModelConfig(model=model_dir, max_model_len=128),
-                          cache=CacheConfig(kv_cache_gib=0.02),
-                          lora=LoRAConfig(max_lora_rank=4, **lora),
-                          finetune=FinetuneConfig(job_memory_gib=job_memory_gib),
-                          coserve=CoserveConfig(slo_tpot_ms=None))
+    config = cfg.EngineConfig(model=cfg.ModelConfig(model=model_dir, max_model_len=128),
+                              cache=cfg.CacheConfig(kv_cache_gib=0.02),
+                              lora=cfg.LoRAConfig(max_lora_rank=4, **lora),
+                              finetune=cfg.FinetuneConfig(job_memory_gib=job_memory_gib),
+                              coserve=cfg.CoserveConfig(slo_tpot_ms=None))
     engine = build_async_engine(config, log_stats=False)
     thread = ServerThread(build_app(engine, served_model_name="tiny",
                                     finetune=FinetuneServiceConfig(state_dir=state_dir)))
