@@ -96,6 +96,9 @@ class LoRAConfig:
     max_loras: int = 4  # adapters resident in device slots = distinct adapters in one batch
     max_cpu_loras: int | None = None  # adapters held in host memory (LRU); None: max(max_loras, 8)
     max_lora_rank: int = 64  # width of every slot; adapters of a larger rank are refused
+    # fine-tuning jobs' adapter slots, after the max_loras serving slots (a running job holds
+    # one); None: sized from FinetuneConfig.job_memory_gib at start-up
+    max_finetune_loras: int | None = None
     allowed_adapter_dir: str | None = None  # adapter paths must resolve inside it; None: anywhere
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT dir, loaded at start
     # Roots of adapters the server writes itself (the fine-tuning service's checkpoints, added
@@ -105,6 +108,8 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         _positive_int("max_loras", self.max_loras)
         _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_finetune_loras is not None:
+            _positive_int("max_finetune_loras", self.max_finetune_loras)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(self.max_loras, 8)
         _positive_int("max_cpu_loras", self.max_cpu_loras)
@@ -156,9 +161,24 @@ class FinetuneConfig:
     # under a budget, put every other layer in pinned host memory before any goes to remat
     # chains (`flexserve.worker.finetune.activation_offload`)
     activation_offload: bool = False
+    # time limit of the MILP packing of a round of the running jobs' sequences into bins, all
+    # stages together (`flexserve.finetune.packing`; it runs on the engine thread); 0: greedy only
+    packing_time_limit_s: float = 0.05
+    max_length_buckets: int = 4  # LobRA's length buckets of a round's sequences (1: none)
+    # GiB for fine-tuning jobs: their LoRA slots and training state (fp32 adapter weights,
+    # gradients, AdamW moments); a job waits queued while its state does not fit what running
+    # jobs leave; None: 5% of the device's memory (host memory on the CPU)
+    job_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         _positive("max_finetune_len", self.max_finetune_len, allow_none=True)
+        if (isinstance(self.packing_time_limit_s, bool)
+                or not isinstance(self.packing_time_limit_s, (int, float))
+                or not 0 <= self.packing_time_limit_s <= 60):
+            raise ValueError(f"packing_time_limit_s must be in [0, 60] seconds, got "
+                             f"{self.packing_time_limit_s!r}")
+        _positive_int("max_length_buckets", self.max_length_buckets)
+        _positive("job_memory_gib", self.job_memory_gib, allow_none=True)
         _positive_int("loss_chunk_rows", self.loss_chunk_rows)
         _positive("activation_budget_gib", self.activation_budget_gib, allow_none=True)
         if self.activation_budget_gib is not None and not self.activation_budget_gib < float("inf"):

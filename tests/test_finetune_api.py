@@ -177,16 +177,22 @@ def test_a_job_trains_serves_its_checkpoints_while_training_and_memorizes(client
     assert job.hyperparameters.learning_rate_multiplier == pytest.approx(20)
     name = f"ft:{MODEL}:vault:{job.id}"
 
-    # As soon as the first checkpoint exists, the job's name and the checkpoint's serve
-    # requests, next to the base model, while the job trains on.
+    # As soon as the first checkpoint exists, the job's name and its checkpoints serve
+    # requests, next to the base model. The job is paused at its next step boundary for the
+    # check (a running job could get past --keep-checkpoints more steps before a request
+    # arrives, and retention would have deleted the checkpoint), then trains on.
     job = wait_for(client, job.id, lambda j: j.fine_tuned_model is not None)
     assert job.fine_tuned_model == name
-    for model in (MODEL, name, f"{name}:ckpt-step-1"):
+    assert client.post(f"/fine_tuning/jobs/{job.id}/pause", cast_to=object)["status"] == "paused"
+    newest = client.fine_tuning.jobs.checkpoints.list(job.id, limit=1).data[0]
+    assert newest.fine_tuned_model_checkpoint == f"{name}:ckpt-step-{newest.step_number}"
+    assert newest.step_number < 12
+    for model in (MODEL, name, newest.fine_tuned_model_checkpoint):
         assert complete(client, model, FACTS[0]["prompt"], max_tokens=4)
     chat = client.chat.completions.create(model=name, max_tokens=4, temperature=0,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.model == name
-    assert client.fine_tuning.jobs.retrieve(job.id).status == "running"  # still training
+    client.post(f"/fine_tuning/jobs/{job.id}/resume", cast_to=object)
 
     job = wait_for(client, job.id, lambda j: j.status == "succeeded")
     assert job.error is None and job.finished_at is not None

@@ -1,7 +1,7 @@
 """Length-aware packing of a job's sequences, and several jobs in one engine (CPU, fp32, a tiny
 random Llama: 2 layers, hidden 128, GQA 4:2).
 
-- `pack_sequences` makes first-fit-decreasing bins under a token (and KV-block) capacity.
+- Greedy packing makes first-fit-decreasing bins under a token (and KV-block) capacity.
 - Packed, a job of short examples runs in far fewer iterations than one sequence at a time, and
   trains the same adapter: packed, unpacked and an HF transformers + peft + AdamW loop agree.
   The truth is that loop in fp64; the bound is the fine-tuning issue's: relative error of the
@@ -23,27 +23,33 @@ import pytest
 import torch
 
 from flexserve import LLM, SamplingParams
-from flexserve.finetune.data import TrainingData, TrainingExample
+from flexserve.finetune.data import TrainingData
 from flexserve.finetune.hyperparameters import Hyperparameters
-from flexserve.finetune.steps import pack_sequences
+from flexserve.finetune.packing import PackItem, pack_items
 
 from _hf_training import train_hf_peft
+from _training_data import random_training_data
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 LENGTHS = [5, 9, 3, 12, 7, 4, 6, 11, 8, 3, 10, 5]  # two steps of six short examples
 
 
-def test_pack_sequences_first_fit_decreasing():
+def greedy(lengths: list[int], capacity: int, block_size: int = 1,
+           max_bin_blocks: int | None = None) -> list[list[int]]:
+    items = [PackItem("a", n, -(-n // block_size)) for n in lengths]
+    return pack_items(items, capacity, max_bin_blocks, time_limit_s=0).bins
+
+
+def test_greedy_packing_is_first_fit_decreasing():
     # Longest first: 10 opens bin 0, 9 opens bin 1, 5 joins bin 0, 4 and 3 join bin 1.
-    assert pack_sequences([10, 3, 5, 4, 9], 16) == [[0, 2], [1, 3, 4]]
+    assert greedy([10, 3, 5, 4, 9], 16) == [[0, 2], [1, 3, 4]]
     # A sequence over the capacity is a bin of its own; nothing else joins it.
-    assert pack_sequences([20, 2, 3], 16) == [[0], [1, 2]]
-    assert pack_sequences([4, 4, 4], 16) == [[0, 1, 2]]
+    assert greedy([20, 2, 3], 16) == [[0], [1, 2]]
+    assert greedy([4, 4, 4], 16) == [[0, 1, 2]]
     # KV blocks bound a bin too: 5-token sequences take 2 blocks of 4 each.
-    assert pack_sequences([5, 5, 5], 16, block_size=4, max_bin_blocks=4) == [[0, 1], [2]]
-    assert pack_sequences([5, 9, 3], None) == [[0], [1], [2]]
-    with pytest.raises(ValueError, match="max_bin_tokens"):
-        pack_sequences([5], 0)
+    assert greedy([5, 5, 5], 16, block_size=4, max_bin_blocks=4) == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="capacity"):
+        greedy([5], 0)
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +75,6 @@ def init_adapter(model_dir, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("init"))
     peft_model.save_pretrained(path)
     return path
-
-
-def make_data(lengths: list[int], seed: int, vocab_size: int = 256) -> TrainingData:
-    g = torch.Generator().manual_seed(seed)
-    examples = []
-    for i, n in enumerate(lengths):
-        ids = torch.randint(0, vocab_size, (n,), generator=g).tolist()
-        examples.append(TrainingExample(i + 1, ids, [False] + [True] * (n - 1)))
-    return TrainingData("text", examples, [], sum(lengths), sum(n - 1 for n in lengths))
 
 
 def hyperparameters(**lora) -> Hyperparameters:
@@ -150,7 +147,7 @@ def change_error(ours: dict, truth: dict, initial: dict) -> float:
 
 
 def test_packing_is_faster_and_trains_the_same_adapter(model_dir, init_adapter, tmp_path):
-    data, hp = make_data(LENGTHS, seed=1), hyperparameters()
+    data, hp = random_training_data(LENGTHS, seed=1), hyperparameters()
     (initial,), (packed,), num_packed = train(new_llm(model_dir), [(data, hp, init_adapter)],
                                               tmp_path / "packed")
     _, (unpacked,), num_unpacked = train(new_llm(model_dir), [(data, hp, init_adapter)],
@@ -186,8 +183,8 @@ def test_packing_is_faster_and_trains_the_same_adapter(model_dir, init_adapter, 
 def test_two_concurrent_jobs_each_train_the_adapter_they_train_alone(model_dir, init_adapter,
                                                                        tmp_path):
     # Different data, shapes, dropout and learning rates: nothing may leak between the jobs.
-    job_a = (make_data(LENGTHS, seed=1), hyperparameters(), init_adapter)
-    job_b = (make_data([14, 6, 9, 4, 13, 8, 5, 10], seed=2),
+    job_a = (random_training_data(LENGTHS, seed=1), hyperparameters(), init_adapter)
+    job_b = (random_training_data([14, 6, 9, 4, 13, 8, 5, 10], seed=2),
              Hyperparameters.from_dict({
                  "batch_size": 4, "n_epochs": 1, "shuffle": True, "seed": 7,
                  "learning_rate": 3e-3, "lr_scheduler": "linear", "max_grad_norm": 0.5,

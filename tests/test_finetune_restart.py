@@ -51,6 +51,7 @@ class Server(ServerProcess):
             ["--model", model_dir, "--served-model-name", MODEL, "--state-dir", state_dir,
              "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
              "--max-model-len", "256", "--kv-cache-gib", "0.05", "--checkpoint-every-steps", "1",
+             "--max-concurrent-jobs", "1",
              "--latency-profile", profile, "--slo-tpot-ms", "1000000",
              "--disable-log-stats", "--log-level", "warning"], log_path)
 
@@ -84,7 +85,7 @@ def test_kill_9_mid_job_then_restart_resumes_and_equals_an_uninterrupted_run(smo
         client = first.client
         file_id = client.files.create(file=("facts.jsonl", data), purpose="fine-tune").id
         resumed = client.fine_tuning.jobs.create(model=MODEL, training_file=file_id, **JOB)
-        # The reference: the same job, queued behind (one job at a time); it runs after the
+        # The reference: the same job, queued behind (--max-concurrent-jobs 1); it runs after the
         # restart from its first step to its last.
         reference = client.fine_tuning.jobs.create(model=MODEL, training_file=file_id, **JOB)
         deadline = time.monotonic() + 120

@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexserve.config import CacheConfig, SchedulerConfig
 from flexserve.engine.finetune_scheduler import (
@@ -415,3 +417,77 @@ def test_next_bin_starts_beside_finishing_ones_only_where_both_fit_the_activatio
     beside = [p for p in plans if p.finished_finetune_sequences and p.finetune_starts]
     assert bool(beside) == overlaps
     assert state.status == FinetuneJobStatus.SUCCEEDED
+
+
+# ------------------------------------------------------------------ several jobs, one round
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(2, 30), min_size=1, max_size=6),
+                          st.integers(1, 3), st.sampled_from([None, 24, 64])),
+                min_size=1, max_size=4),
+       st.integers(4, 48), st.integers(0, 2))
+def test_jobs_share_bins_within_capacity_and_each_step_covers_exactly_its_batch(
+        specs, budget, num_cancelled):
+    scheduler = make_scheduler(budget, num_blocks=48)
+    ft = scheduler.finetune
+    jobs = []
+    for j, (lengths, batch, capacity) in enumerate(specs):
+        steps = [list(range(i, min(i + batch, len(lengths))))
+                 for i in range(0, len(lengths), batch)]
+        jobs.append(job(f"j{j}", lengths, steps, pack_capacity=capacity))
+        ft.add_job(jobs[-1])
+    cancelled: set[str] = set()  # ended mid-run: the others must not notice
+    started: dict[str, list[int]] = {state.job_id: [] for state in jobs}  # examples, in order
+    finished: dict[str, set[int]] = {state.job_id: set() for state in jobs}
+    steps_done = dict.fromkeys(started, 0)
+    plans = num_rounds = 0
+    while ft.has_work():
+        plans += 1
+        assert plans < 2000
+        if plans == 3:
+            for state in jobs[:num_cancelled]:
+                if not state.finished:
+                    ft.end_job(state.job_id, FinetuneJobStatus.CANCELLED)
+                    cancelled.add(state.job_id)
+        plan = scheduler.schedule()
+        if ft.num_rounds != num_rounds:  # a new round: every bin within the jobs' capacity
+            num_rounds = ft.num_rounds
+            for round_bin in ft.round:
+                packed = [(j, e) for j, _, e in round_bin if ft.jobs[j].pack_capacity is not None]
+                if len(packed) > 1:
+                    assert sum(len(ft.jobs[j].sequences[e].token_ids) for j, e in packed) <= min(
+                        ft.jobs[j].pack_capacity for j, _ in packed)
+        for start in plan.finetune_starts:
+            state = ft.jobs[start.job_id]
+            index = state.sequences.index(next(s for s in state.sequences
+                                               if s.token_ids == start.token_ids))
+            started[start.job_id].append(start.sequence_id)
+            # Sequence ids are training positions: a start belongs to the job's current step.
+            step = state.steps[state.step_index]
+            first = sum(len(s) for s in state.steps[:state.step_index])
+            assert first <= start.sequence_id < first + len(step), (start, index)
+        for job_id in plan.optimizer_steps:
+            state = ft.jobs[job_id]
+            first = sum(len(s) for s in state.steps[:state.step_index])
+            step_ids = set(range(first, first + len(state.steps[state.step_index])))
+            # The step's update follows exactly its batch's sequences, all of them finished.
+            done = finished[job_id] | {sid for jid, sid in plan.finished_finetune_sequences
+                                       if jid == job_id}
+            assert step_ids <= done and not (done - step_ids - set(range(first)))
+            steps_done[job_id] += 1
+        for job_id, sequence_id in plan.finished_finetune_sequences:
+            finished[job_id].add(sequence_id)
+        result = StepResult()
+        for w in plan.finetune_windows:
+            result.finetune_losses[(w.job_id, w.sequence_id)] = (1.0, w.end - w.start, 0)
+        for job_id in plan.optimizer_steps:
+            result.grad_norms[job_id] = 1.0
+        scheduler.update(plan, result)
+        scheduler.kv_cache_manager.check_invariants()
+    for state in jobs:
+        if state.job_id in cancelled:
+            assert state.status == FinetuneJobStatus.CANCELLED
+            continue
+        assert state.status == FinetuneJobStatus.SUCCEEDED
+        assert steps_done[state.job_id] == state.num_steps
+        assert sorted(started[state.job_id]) == list(range(len(state.sequences)))
+    assert scheduler.kv_cache_manager.usage == 0.0

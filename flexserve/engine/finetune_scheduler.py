@@ -1,10 +1,14 @@
 """The fine-tuning half of the hybrid token scheduler: after the inference rows of a step, the
 windows of fine-tuning jobs fill what the iteration has left (FlexLLM section 6.1, algorithm 2).
 
-A job trains its optimizer steps in order. The sequences of one step are packed into bins of at
-most `FinetuneJobState.pack_capacity` tokens (first-fit decreasing, `finetune.steps.
-pack_sequences`); the sequences of a bin run concurrently and the next bin starts once every
-sequence of this one has its last window placed. Each sequence runs in two phases:
+A job trains its optimizer steps in order. Jobs share bins: a round takes the current optimizer
+step of every job between steps and packs the sequences of all of them into bins of at most
+`FinetuneJobState.pack_capacity` tokens (`flexserve.finetune.packing.pack_round`: LobRA's length
+buckets, then LoRAFusion's two-stage MILP with a greedy fallback). The sequences of a bin, of
+whichever jobs, run concurrently, and the next bin starts once every sequence of this one has its
+last window placed; the next round forms once every job of this one has its optimizer step folded
+in. A job's bins hold only its current step, so its optimizer step still covers exactly its
+batch, whatever ran beside it. Each sequence runs in two phases:
 
 - forward: windows [l_i, l_i + s_i) in order, each one more row of the step's flat batch (same
   forward call as the inference rows, K/V into the paged cache); at most one per iteration,
@@ -20,7 +24,7 @@ scheduler's latency model); which job gets the next window is the `JobPicker`'s 
 that started first, `FirstStartedPicker`; the hybrid scheduler's picker charges tenants by VTC).
 
 A bin's KV blocks are allocated in full when it starts (FlexLLM's admission rule: only if the
-blocks of all its sequences fit) and each sequence's blocks are freed after its last backward
+blocks of all its sequences, of every job, fit) and each sequence's blocks are freed after its last backward
 window (layer 0, position 0) ran. Blocks are shared by all layers (one block id covers that block
 in every layer's cache), so they are not released layer by layer. After a step's last bin, the
 plan carries the job's optimizer step, and the job places nothing more until that step's result
@@ -29,14 +33,14 @@ job's training order (step by step), so packing, resuming and dropout seeds agre
 
 A DPO job (`FinetuneJobState.beta` set) trains pairs: its sequences are (chosen, rejected) sides,
 a step's items are pairs and a bin holds both sides of each of its pairs. It starts with a
-reference pass: every side runs forward windows under the reference adapter (the job's slot
-before its first optimizer step, or no adapter when the job starts from PEFT's init, whose zero B
-makes the two equal), windows that keep no activations and return the summed log-probability of
-the side's loss tokens (sequence ids -1 - example index). Then each pair trains like two
-supervised sequences, except that a side whose forward is done waits until its partner's is:
-the update that folds the second side's loss computes the pair's coefficient
-(`flexserve.finetune.dpo`), and the plan of each side's first backward window carries it as a
-factor on that side's loss gradient.
+reference pass (its first round's items are all of its sequences): every side runs forward
+windows under the reference adapter (the job's slot before its first optimizer step, or no
+adapter when the job starts from PEFT's init, whose zero B makes the two equal), windows that
+keep no activations and return the summed log-probability of the side's loss tokens (sequence
+ids -1 - example index). Then each pair trains like two supervised sequences, except that a side
+whose forward is done waits until its partner's is: the update that folds the second side's loss
+computes the pair's coefficient (`flexserve.finetune.dpo`), and the plan of each side's first
+backward window carries it as a factor on that side's loss gradient.
 Pure Python: the worker owns every tensor (activations, gradients, optimizer state).
 
 Divergence: the worker fails a job whose loss or gradient norm is not finite; the scheduler fails
@@ -55,7 +59,10 @@ from flexserve.engine.divergence import collapsed_reason
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneSequenceStart, FinetuneWindow
 from flexserve.finetune.checkpoint import FORMAT_VERSION, TrainerState, data_fingerprint
 from flexserve.finetune.dpo import DPOMetrics, dpo_pair
-from flexserve.finetune.steps import pack_sequences
+from flexserve.finetune.packing import PackItem, load_solver, pack_jobs
+
+# LobRA's interval width: bucket bounds at multiples of this many tokens (its default, 256)
+BUCKET_INTERVAL = 256
 
 
 class FinetuneJobStatus(enum.Enum):
@@ -192,12 +199,14 @@ class FinetuneJobState:
     steps: list[list[int]]  # example indices of each optimizer step, in order
     lora_slot: int  # device slot holding the job's adapter for its whole run
     tenant: str = "default"  # the fair-share account its window tokens are charged to
-    pack_capacity: int | None = None  # max tokens of a bin of concurrent sequences; None: one
+    pack_capacity: int | None = None  # max tokens of a bin of concurrent sequences; None: its
+    # sequences one per bin (beside other jobs' sequences)
     status: FinetuneJobStatus = FinetuneJobStatus.RUNNING
     error: str | None = None
     step_index: int = 0  # optimizer steps done
-    # the current step's bins, each a list of (sequence id, example index); made when the
-    # step's first bin starts, dropped when its optimizer step is folded in
+    # the job's share of the current round's bins (those holding any of its sequences, in round
+    # order), each a list of (sequence id, example index); made with the round, dropped when its
+    # optimizer step is folded in
     bins: list[list[tuple[int, int]]] | None = None
     next_bin: int = 0  # index into `bins` of the next bin to start
     running: list[_RunningSequence] = field(default_factory=list)  # holding KV blocks
@@ -258,14 +267,25 @@ class FinetuneScheduler:
     """Places fine-tuning windows into plans; owns the engine-side state of every job."""
 
     def __init__(self, kv_cache_manager, num_layers: int, max_finetune_len: int,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, packing_time_limit_s: float = 0.05,
+                 max_length_buckets: int = 4) -> None:
         self.kv = kv_cache_manager
         self.num_layers = num_layers
         self.max_finetune_len = max_finetune_len
         self.vocab_size = vocab_size  # for `collapsed_reason`; None: not checked
+        self.packing_time_limit_s = packing_time_limit_s  # a round's MILPs'; 0: greedy only
+        self.max_length_buckets = max_length_buckets  # LobRA's R
         self.jobs: dict[str, FinetuneJobState] = {}  # every job not yet removed, in start order
         self.default_picker = FirstStartedPicker()
         self._updates: list[FinetuneUpdate] = []
+        # The current round's bins, each a list of (job id, sequence id, example index), and
+        # the index of the next one to start
+        self.round: list[list[tuple[str, int, int]]] = []
+        self.next_bin = 0
+        self.num_rounds = 0  # rounds formed so far (metrics, tests)
+        self.packing_methods: dict[str, int] = {"greedy": 0, "milp": 0}  # rounds by packer
+        if packing_time_limit_s > 0:
+            load_solver()
 
     def add_job(self, job: FinetuneJobState) -> None:
         if job.job_id in self.jobs:
@@ -307,40 +327,37 @@ class FinetuneScheduler:
     # ---------------------------------------------------------------------------- scheduling
     def schedule(self, plan: BatchPlan, sizer: WindowSizer, picker: JobPicker | None = None
                  ) -> None:
-        """Add fine-tuning work to `plan`: ask `picker` for a job among those with schedulable
-        work, place that job's next window as large as `sizer` allows, charge it; until the
-        sizer gives no job a token or no job has work left."""
+        """Add fine-tuning work to `plan`: start the round's next bin when the running one is
+        done; ask `picker` for a job among those with schedulable work, place that job's next
+        window as large as `sizer` allows, charge it; until the sizer gives no job a token or
+        no job has work left (and no further bin may start)."""
         picker = picker or self.default_picker
         forwarded: set[tuple[str, int]] = set()  # sequences with a forward window in this plan
-        candidates = [job for job in self.jobs.values() if self._has_work(job, forwarded)]
-        while candidates:
-            job = picker.pick(candidates)
-            num_tokens, backward = self._place_window(plan, job, sizer, forwarded)
-            if num_tokens > 0:
-                picker.charge(job, num_tokens, backward)
-            if num_tokens == 0 or not self._has_work(job, forwarded):
-                candidates = [c for c in candidates if c is not job]
+        progress = True
+        while progress:
+            progress = self._start_next_bin(plan)
+            candidates = [job for job in self.jobs.values() if self._has_work(job, forwarded)]
+            while candidates:
+                job = picker.pick(candidates)
+                num_tokens, backward = self._place_window(plan, job, sizer, forwarded)
+                if num_tokens > 0:
+                    picker.charge(job, num_tokens, backward)
+                    progress = True
+                if num_tokens == 0 or not self._has_work(job, forwarded):
+                    candidates = [c for c in candidates if c is not job]
 
     def _has_work(self, job: FinetuneJobState, forwarded: set[tuple[str, int]]) -> bool:
+        """Whether the job has a started sequence that may get a window in this plan."""
         if job.finished:
             return False
-        active = [s for s in job.running if not s.done]
-        if active:
-            return any((job.job_id, s.sequence_id) not in forwarded for s in active)
-        # Every started sequence is done: the next bin may start, unless the step is complete
-        # (its optimizer step is in a plan whose result has not been folded in yet).
-        return job.bins is None or job.next_bin < len(job.bins)
+        return any(not s.done and (job.job_id, s.sequence_id) not in forwarded
+                   for s in job.running)
 
     def _place_window(self, plan: BatchPlan, job: FinetuneJobState, sizer: WindowSizer,
                       forwarded: set[tuple[str, int]]) -> tuple[int, bool]:
         """Place the job's next window (forward windows of its bin first, then backward ones);
         returns its tokens (0 when nothing could be placed: no KV blocks for its next bin, or
         the sizer said 0 to every window) and whether it is a backward window."""
-        if all(s.done for s in job.running):
-            if not self._bin_fits_beside_resident(job):
-                return 0, False  # after this plan's last backward windows of the running bins
-            if not self._start_bin(plan, job):
-                return 0, False  # its KV blocks do not fit now; inference keeps the memory
         for seq in job.running:
             key = (job.job_id, seq.sequence_id)
             if (seq.done or seq.backward_layer >= 0 or key in forwarded
@@ -394,58 +411,99 @@ class FinetuneScheduler:
             return n, True
         return 0, False
 
-    def _bin_fits_beside_resident(self, job: FinetuneJobState) -> bool:
-        """Whether the job's next bin may start while sequences whose last backward window is in
-        this plan still hold their activations: only where both fit max_finetune_len tokens,
-        what the worker reserves for activations (`flexserve.worker.finetune.activation_arena`);
-        else it starts in the next plan."""
-        resident = sum(s.length for j in self.jobs.values() for s in j.running if s.done)
-        if resident == 0:
-            return True
-        self._ensure_bins(job)
-        if job.next_bin >= len(job.bins):
-            return True
-        tokens = sum(len(job.sequences[e].token_ids) for _, e in job.bins[job.next_bin])
-        return resident + tokens <= self.max_finetune_len
-
-    def _ensure_bins(self, job: FinetuneJobState) -> None:
-        """Pack the current step's sequences (a DPO job's reference pass: all of its sequences)
-        into bins (once per step); a DPO pair's two sides go into one bin, chosen first."""
-        if job.bins is not None:
-            return
-        job.next_bin = 0
-        if job.in_reference_pass:
-            lengths = [len(s.token_ids) for s in job.sequences]
-            job.bins = [[(-1 - i, i) for i in members]
-                        for members in pack_sequences(lengths, job.pack_capacity,
-                                                      self.kv.block_size, self.kv.num_blocks)]
-            return
-        items = job.steps[job.step_index]
-        sides = job.sides
-        block = self.kv.block_size
-        # a pair is packed as whole blocks of each side, so a bin's blocks fit an idle cache
-        lengths = [sum(-(-len(job.sequences[sides * i + k].token_ids) // block) * block
-                       for k in range(sides)) if sides > 1 else len(job.sequences[i].token_ids)
-                   for i in items]
-        first_id = job.num_sequences_started  # every earlier step's sequences started
-        job.bins = [[(first_id + sides * p + k, sides * items[p] + k)
-                     for p in members for k in range(sides)]
-                    for members in pack_sequences(lengths, job.pack_capacity, block,
-                                                  self.kv.num_blocks)]
-
-    def _start_bin(self, plan: BatchPlan, job: FinetuneJobState) -> bool:
-        self._ensure_bins(job)
-        reference = job.in_reference_pass
-        started: list[_RunningSequence] = []
-        for sequence_id, example_index in job.bins[job.next_bin]:
+    # -------------------------------------------------------------------------------- rounds
+    def _start_next_bin(self, plan: BatchPlan) -> bool:
+        """Start the round's next bin (forming the next round first where the last one is
+        over) when every running sequence has its last window placed; True when one started."""
+        if any(not s.done for job in self.jobs.values() for s in job.running):
+            return False
+        while True:
+            if self.next_bin == len(self.round) and not self._form_round():
+                return False
+            members = [(self.jobs[job_id], sequence_id, example_index)
+                       for job_id, sequence_id, example_index in self.round[self.next_bin]
+                       if job_id in self.jobs and not self.jobs[job_id].finished]
+            if members:
+                break
+            self.next_bin += 1  # every job of this bin ended
+        # Sequences whose last backward window is in this plan still hold their activations:
+        # the bin starts beside them only where both fit max_finetune_len tokens, what the
+        # worker reserves for activations (`flexserve.worker.finetune.activation_arena`).
+        resident = sum(s.length for job in self.jobs.values() for s in job.running if s.done)
+        tokens = sum(len(job.sequences[e].token_ids) for job, _, e in members)
+        if resident and resident + tokens > self.max_finetune_len:
+            return False
+        started: list[tuple[FinetuneJobState, _RunningSequence]] = []
+        for job, sequence_id, example_index in members:
             kv = _SequenceKV(f"finetune:{job.job_id}:{sequence_id}",
                              job.sequences[example_index].token_ids)
             if self.kv.allocate_slots(kv, kv.num_tokens, cache_blocks=False) is None:
-                for seq in started:  # all of the bin or none of it
+                for _, seq in started:  # all of the bin or none of it
                     self.kv.free(seq.kv)
-                return False
-            started.append(_RunningSequence(sequence_id, kv, kv.num_tokens,
-                                            example_index=example_index, reference=reference))
+                return False  # its KV blocks do not fit now; inference keeps the memory
+            started.append((job, _RunningSequence(
+                sequence_id, kv, kv.num_tokens, example_index=example_index,
+                reference=job.in_reference_pass)))
+        for job in {id(job): job for job, _ in started}.values():
+            self._start_sequences(plan, job, [seq for j, seq in started if j is job])
+        self.next_bin += 1
+        return True
+
+    def _form_round(self) -> bool:
+        """Pack the current step (a DPO job's reference pass: all of its sequences) of every job
+        between steps into the next round's bins, once no job of the last round waits for its
+        optimizer step to be folded in; False when there is no round to form."""
+        jobs = [job for job in self.jobs.values() if not job.finished]
+        if not jobs or any(job.bins is not None or job.running for job in jobs):
+            return False
+        entries: list[tuple[FinetuneJobState, list[tuple[int, int]], int, int]] = []
+        for job in jobs:
+            entries.extend((job, members, tokens, blocks)
+                           for members, tokens, blocks in self._job_items(job))
+        packing = pack_jobs([PackItem(job.job_id, tokens, blocks)
+                             for job, _, tokens, blocks in entries],
+                            {job.job_id: job.pack_capacity for job in jobs}, self.kv.num_blocks,
+                            self.packing_time_limit_s, self.max_length_buckets, BUCKET_INTERVAL)
+        self.packing_methods[packing.method] += 1
+        bins = packing.bins
+        self.round = []
+        for job in jobs:
+            job.bins, job.next_bin = [], 0
+        for members in bins:
+            round_bin = []
+            per_job: dict[str, list[tuple[int, int]]] = {}
+            for i in sorted(members):
+                job, sequences = entries[i][0], entries[i][1]
+                per_job.setdefault(job.job_id, []).extend(sequences)
+                round_bin.extend((job.job_id, sid, e) for sid, e in sequences)
+            for job_id, sequences in per_job.items():
+                self.jobs[job_id].bins.append(sequences)
+            self.round.append(round_bin)
+        self.next_bin = 0
+        self.num_rounds += 1
+        return True
+
+    def _job_items(self, job: FinetuneJobState) -> list[tuple[list[tuple[int, int]], int, int]]:
+        """The job's items of its next round: (its sequences as (sequence id, example index),
+        tokens, KV blocks). A DPO pair is one item of both sides' whole blocks, chosen first."""
+        block = self.kv.block_size
+        if job.in_reference_pass:
+            return [([(-1 - i, i)], len(s.token_ids), -(-len(s.token_ids) // block))
+                    for i, s in enumerate(job.sequences)]
+        sides = job.sides
+        first_id = job.num_sequences_started  # every earlier step's sequences started
+        items = []
+        for p, example in enumerate(job.steps[job.step_index]):
+            sequences = [(first_id + sides * p + k, sides * example + k) for k in range(sides)]
+            lengths = [len(job.sequences[e].token_ids) for _, e in sequences]
+            blocks = sum(-(-n // block) for n in lengths)
+            items.append((sequences, blocks * block if sides > 1 else lengths[0], blocks))
+        return items
+
+    def _start_sequences(self, plan: BatchPlan, job: FinetuneJobState,
+                         started: list[_RunningSequence]) -> None:
+        """The job's sequences of a starting bin (their KV blocks allocated) go into the plan."""
+        reference = job.in_reference_pass
         if job.beta is None:
             num_loss_tokens = sum(sum(job.sequences[i].loss_mask)
                                   for i in job.steps[job.step_index])
@@ -466,7 +524,6 @@ class FinetuneScheduler:
             job.num_sequences_started += len(started)
         job.next_bin += 1
         job.running.extend(started)  # after the last bin's sequences, freed at their update
-        return True
 
     # ------------------------------------------------------------------------------- results
     def update(self, plan: BatchPlan, losses: dict, grad_norms: dict[str, float],

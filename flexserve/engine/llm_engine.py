@@ -10,9 +10,10 @@ from typing import Any
 
 from flexserve import envs
 from flexserve.config import EngineConfig
-from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager, NoFreeSlotError
+from flexserve.engine.adapter_manager import AdapterExistsError, AdapterManager
 from flexserve.engine.engine_core import EngineCore, StepStats
 from flexserve.engine.executor import Executor, LoRAExecutor
+from flexserve.engine.finetune_capacity import FinetuneCapacity, adapter_shape
 from flexserve.engine.finetune_scheduler import (
     FinetuneJobState,
     FinetuneJobStatus,
@@ -78,6 +79,7 @@ class LLMEngine:
             coserve_config=config.coserve,
             latency_model=OnlineLatencyModel(self._load_latency_profile(config, info)),
             vocab_size=info.vocab_size,
+            finetune_config=config.finetune,
         )
         self.core = EngineCore(self.scheduler, executor, config.scheduler.async_scheduling)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
@@ -88,6 +90,13 @@ class LLMEngine:
         self._lora_ids = itertools.count(1)  # engine-wide adapter ids; next() is thread-safe
         self._job_ids = itertools.count(1)
         self._failed: dict[str, str] = {}  # parent request id -> why the engine ended it
+        # Fine-tuning jobs' own LoRA slots (after the max_loras serving slots) and state memory
+        self._capacity: FinetuneCapacity | None = None
+        if config.lora is not None and info.num_finetune_slots:
+            self._capacity = FinetuneCapacity(
+                config.lora.max_loras, info.num_finetune_slots, info.finetune_state_bytes,
+                info.num_layers, dict(info.lora_target_features))
+            logger.info("fine-tuning: %s", self._capacity.describe())
         if config.lora is not None:
             for name, path in config.lora.lora_modules.items():
                 try:
@@ -262,20 +271,23 @@ class LLMEngine:
     ) -> FinetuneJobState:
         """Start a LoRA fine-tuning job on tokenized `data` (`flexserve.finetune.TrainingData`)
         with `Hyperparameters`; its windows ride in the following steps. ValueError when LoRA
-        is off, no slot is free, or an example does not fit max_finetune_len.
+        is off, an example does not fit max_finetune_len, or the job's training state exceeds
+        the fine-tuning memory; `FinetuneCapacityError` (a ValueError) when every fine-tuning
+        slot is held or the running jobs leave too little memory for its state now.
 
         `resume_from`: a checkpoint directory (`save_finetune_checkpoint`) of the same job (same
         data, step plan, LoRA shape and optimizer settings, else ValueError); the job continues
         at the checkpoint's step with its adapter, AdamW state, sequence ids, losses and counters
         (it then replaces `init_adapter_path`). `tenant`: the fair-share account of its windows.
-        A step's sequences are packed into bins of at most max_num_batched_tokens tokens.
+        Its steps' sequences are packed, with the other jobs', into bins of at most
+        max_num_batched_tokens tokens.
         `step_plan`: the examples of each step (`plan_training_steps` of the same data and
         hyper-parameters), when the caller planned them off the engine thread.
         """
         from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
 
-        adapters = self._adapters()
+        self._adapters()
         hp = hyperparameters
         job_id = job_id or f"ftjob-{next(self._job_ids)}"
         if job_id in self.scheduler.finetune.jobs:
@@ -296,12 +308,11 @@ class LLMEngine:
             beta=hp.beta if dpo else None)
         if trainer_state is not None:
             self.scheduler.finetune.restore(job, trainer_state)
-        owner = f"finetune:{job_id}"
-        lora_request = LoRARequest(owner, next(self._lora_ids), "<fine-tuning job>")
-        slot = adapters.reserve_slot(owner, lora_request)
-        if slot is None:
-            raise NoFreeSlotError("every LoRA slot is pinned by running requests; retry when they "
-                             "finish or raise max_loras")
+        rank, targets = hp.lora.r, tuple(hp.lora.target_modules)
+        start = resume_from or init_adapter_path
+        if start is not None:  # the worker trains the starting adapter's rank and targets
+            rank, targets = adapter_shape(start, rank, targets)
+        slot = self._finetune_capacity().reserve(job_id, rank, targets)
         job.lora_slot = slot
         # DPO's reference is the job's start: its own slot before the first optimizer step, or
         # the backbone alone when the adapter starts from PEFT's init (B = 0 adds exactly 0)
@@ -313,7 +324,7 @@ class LLMEngine:
                 init_adapter_path=init_adapter_path, seed=seed, resume_from=resume_from)
         except Exception:
             self.scheduler.finetune.remove_job(job_id)
-            adapters.release_slot(owner)
+            self._finetune_capacity().release(job_id)
             raise
         job.events.extend(event.message for event in data.events)
         job.events.append(f"Job started: {data.num_items} "
@@ -398,9 +409,20 @@ class LLMEngine:
             return
         job.slot_released = True
         self.executor.end_finetune_job(job.job_id)
-        adapters = self.scheduler.adapter_manager
-        if adapters is not None:
-            adapters.release_slot(f"finetune:{job.job_id}")
+        if self._capacity is not None:
+            self._capacity.release(job.job_id)
+
+    def _finetune_capacity(self) -> FinetuneCapacity:
+        """The fine-tuning slots and state memory (ValueError when LoRA is off)."""
+        if self._capacity is None:
+            self._adapters()  # LoRA off: its error
+            raise ValueError("this engine has no fine-tuning LoRA slots (max_finetune_loras)")
+        return self._capacity
+
+    @property
+    def finetune_capacity(self) -> FinetuneCapacity | None:
+        """Fine-tuning slots and state memory of this engine; None without LoRA."""
+        return self._capacity
 
     # ----------------------------------------------------------------------------------- LoRA
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -19,3 +19,7 @@ class ModelInfo:
     dtype: str  # e.g. "bfloat16"
     num_layers: int = 0  # decoder layers (fine-tuning's backward walks them top-down)
     device_name: str = ""  # e.g. "NVIDIA H200" or "cpu" (latency profiles are per device)
+    num_finetune_slots: int = 0  # LoRA slots for fine-tuning jobs, numbered after max_loras
+    finetune_state_bytes: int = 0  # memory for fine-tuning jobs' training state
+    # (in_features, out_features) of each LoRA target module (`flexserve.peft.bypass`)
+    lora_target_features: dict[str, tuple[int, int]] = field(default_factory=dict)

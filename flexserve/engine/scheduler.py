@@ -29,7 +29,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from flexserve.config import CacheConfig, CoserveConfig, LoRAConfig, SchedulerConfig
+from flexserve.config import (
+    CacheConfig,
+    CoserveConfig,
+    FinetuneConfig,
+    LoRAConfig,
+    SchedulerConfig,
+)
 from flexserve.engine.adapter_manager import AdapterManager
 from flexserve.engine.finetune_scheduler import FinetuneScheduler
 from flexserve.engine.hybrid_scheduler import HybridTokenScheduler, StepMode
@@ -60,6 +66,7 @@ class Scheduler:
         latency_model: OnlineLatencyModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         vocab_size: int | None = None,
+        finetune_config: FinetuneConfig | None = None,
     ) -> None:
         if type(max_model_len) is not int or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
@@ -80,8 +87,10 @@ class Scheduler:
             None if lora_config is None else AdapterManager(lora_config.max_loras)
         )
         # Fine-tuning windows fill the budget the inference rows leave (FlexLLM 6.1).
+        finetune_config = finetune_config or FinetuneConfig()
         self.finetune = FinetuneScheduler(
-            self.kv_cache_manager, num_layers, max_finetune_len or max_model_len, vocab_size)
+            self.kv_cache_manager, num_layers, max_finetune_len or max_model_len, vocab_size,
+            finetune_config.packing_time_limit_s, finetune_config.max_length_buckets)
         # Sizes the fine-tuning windows (latency model, sharing policy) and keeps the fairness
         # counters of tenants and jobs (FlexLLM 6.2, appendices A and C).
         self.clock = clock

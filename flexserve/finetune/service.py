@@ -1,13 +1,16 @@
 """The fine-tuning job service: durable jobs on the serving engine, checkpoints served by name.
 
 It owns the `StateStore` (files, jobs, events, checkpoints under `--state-dir`) and the queue of
-jobs. At most `max_concurrent_jobs` run on the engine at once; the others stay `queued` and start
-in creation order as running ones end. Engine work happens on the engine thread: a job starts
-there (`AsyncLLMEngine.call`), and a listener there gets the jobs' updates after every step. At a
-"step" update the job is at an optimizer-step boundary, so the listener saves a checkpoint
-(adapter + optimizer state + data position) every `checkpoint_every_steps` and at the last step,
-synchronously, into `store.checkpoint_dir(job, step)`; everything else (events, metrics, serving
-the checkpoint, validation loss, status) runs on the event loop, one task per job, in update order.
+jobs. Jobs start in creation order as long as the engine has room for them: a fine-tuning LoRA slot
+and memory for the job's training state (`flexserve.engine.finetune_capacity`). The first job that
+finds no room stays `queued`, with an event saying what it waits for, and the jobs behind it wait
+too, until running jobs end; `max_concurrent_jobs`, when set, caps the jobs on the engine. Engine
+work happens on the engine thread: a job starts there (`AsyncLLMEngine.call`), and a listener there
+gets the jobs' updates after every step. At a "step" update the job is at an optimizer-step
+boundary, so the listener saves a checkpoint (adapter + optimizer state + data position) every
+`checkpoint_every_steps` and at the last step, synchronously, into `store.checkpoint_dir(job,
+step)`; everything else (events, metrics, serving the checkpoint, validation loss, status) runs on
+the event loop, one task per job, in update order.
 
 Names: a job's adapter is served as `ft:<base>:<suffix>:<job_id>` (the newest checkpoint,
 hot-swapped: unregister + register in one engine-thread call) and every checkpoint as
@@ -54,8 +57,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexserve.engine.adapter_manager import AdapterNotFoundError, NoFreeSlotError
+from flexserve.engine.adapter_manager import AdapterNotFoundError
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from flexserve.engine.finetune_capacity import FinetuneCapacityError
 from flexserve.finetune.adapters import (
     checkpoint_model_name,
     example_logprobs,
@@ -83,7 +87,7 @@ logger = logging.getLogger(__name__)
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
 UNFINISHED_STATUSES = ("validating_files", "queued", "running", "paused")
 DEFAULT_KEEP_CHECKPOINTS = 3
-_SLOT_RETRY_S = 0.5  # a job that found every LoRA slot pinned by requests tries again after this
+_CAPACITY_RETRY_S = 0.5  # a job that found no fine-tuning slot or memory tries again after this
 
 
 @dataclass(slots=True)
@@ -92,7 +96,8 @@ class FinetuneServiceConfig:
 
     state_dir: str  # files, jobs, events and checkpoints live under <state_dir>/finetune
     checkpoint_every_steps: int = 10  # a checkpoint every this many optimizer steps, and the last
-    max_concurrent_jobs: int = 1  # jobs on the engine at once; the others stay queued
+    max_concurrent_jobs: int | None = None  # at most this many jobs on the engine at once;
+    # None: as many as the fine-tuning slots and memory hold
     max_upload_bytes: int = 100 * 1024 * 1024  # largest file POST /v1/files accepts
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS  # newest checkpoints of a job kept on disk
 
@@ -100,6 +105,8 @@ class FinetuneServiceConfig:
         for name in ("checkpoint_every_steps", "max_concurrent_jobs", "max_upload_bytes",
                      "keep_checkpoints"):
             value = getattr(self, name)
+            if value is None and name == "max_concurrent_jobs":
+                continue
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
@@ -128,6 +135,7 @@ class _ActiveJob:
     on_engine: bool = False  # the engine accepted the job
     cancel_requested: bool = False  # cancelled while starting
     num_logged_steps: int = 0  # steps whose metrics event is in the log (a resumed job skips)
+    waiting: str | None = None  # why the engine has no room for it yet (it stays queued)
     paused: asyncio.Future | None = None  # shutdown: set once its pause checkpoint is recorded
     user_pause: asyncio.Future | None = None  # pause(): set once the job is `paused`
     num_total_tokens: int = 0  # forward tokens of all its steps (trained_tokens at the end)
@@ -150,12 +158,6 @@ class FinetuneService:
         self.store = StateStore(config.state_dir)
         lora = engine.engine.config.lora
         if lora is not None:
-            if config.max_concurrent_jobs >= lora.max_loras:
-                self.store.close()
-                raise ValueError(
-                    f"--max-concurrent-jobs {config.max_concurrent_jobs} needs --max-loras > "
-                    f"{config.max_concurrent_jobs}: each running job holds a LoRA slot and "
-                    f"serving its checkpoints needs another (max_loras is {lora.max_loras})")
             # The server writes these adapters itself, so they are servable even when
             # --allowed-adapter-dir points elsewhere.
             if self.store.checkpoints_dir not in lora.internal_adapter_dirs:
@@ -339,10 +341,13 @@ class FinetuneService:
     # --- end graceful shutdown ---
 
     def _pump(self) -> None:
-        """Start queued jobs while fewer than max_concurrent_jobs run."""
+        """Start queued jobs in order while none waits for room on the engine (and fewer than
+        max_concurrent_jobs run, where set)."""
         if self._closed or self._pausing or self._loop is None:
             return
-        while self._queue and len(self._active) < self.config.max_concurrent_jobs:
+        cap = self.config.max_concurrent_jobs
+        while (self._queue and (cap is None or len(self._active) < cap)
+               and not any(active.waiting for active in self._active.values())):
             job_id = self._queue.popleft()
             active = _ActiveJob(done=self._loop.create_future())
             self._active[job_id] = active
@@ -399,12 +404,24 @@ class FinetuneService:
                     await self._set_status(job_id, "cancelled", "The job was cancelled.",
                                            finished_at=int(time.time()))
                     await self._let_go(job_id, active)
-                elif isinstance(e, NoFreeSlotError):  # requests pin every slot now: wait
-                    await asyncio.sleep(_SLOT_RETRY_S)
+                elif isinstance(e, FinetuneCapacityError) and active.user_pause is not None:
+                    await self._set_status(job_id, "paused", "Fine-tuning job paused.")
+                    await self._let_go(job_id, active)
+                    active.user_pause.set_result(None)
+                elif isinstance(e, FinetuneCapacityError):  # running jobs hold the room: wait
+                    if active.waiting != str(e):
+                        active.waiting = str(e)
+                        await asyncio.to_thread(
+                            self.store.add_event, job_id,
+                            f"Queued: waiting for room on the engine: {e}.")
+                    await asyncio.sleep(_CAPACITY_RETRY_S)
                     continue
                 else:
                     await self._end_failed(job_id, active, "invalid_job", str(e))
                 return False
+        if active.waiting is not None:
+            active.waiting = None
+            self._pump()  # the jobs behind it may try now
         active.on_engine = True
         if active.cancel_requested:
             await self.engine.call(_cancel_on_engine, self.engine.engine, job_id)

@@ -63,6 +63,11 @@ def build_executor(config: EngineConfig) -> tuple[ModelRunner, Any | None, Model
         device_name=(torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda"
                      else "cpu"),
     )
+    lora = runner.lora_manager
+    if lora is not None:
+        info.num_finetune_slots = lora.num_finetune_slots
+        info.finetune_state_bytes = lora.finetune_state_bytes
+        info.lora_target_features = dict(lora.shapes)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); max_model_len %d",
         num_blocks, config.cache.block_size, capacity,

@@ -1,6 +1,9 @@
 """The worker side of multi-LoRA: slot-stacked LoRA linears, a host-memory LRU of adapters, and
 the copies into device slots that a plan asks for.
 
+The linears hold `max_loras` serving slots, then the fine-tuning slots (`flexserve.engine.
+finetune_capacity`), sized here at start-up from the fine-tuning memory budget.
+
 The engine's `AdapterManager` decides which adapter goes into which slot; this class only does
 what a plan's `lora_slot_loads` says. Reading from disk happens in `add` (called off the engine
 thread by servers) or, for an adapter the LRU has dropped since, when a slot load needs it again.
@@ -9,6 +12,7 @@ thread by servers) or, for an adapter the LRU has dropped since, when a slot loa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -16,7 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexserve.config import LoRAConfig
+from flexserve.config import FinetuneConfig, LoRAConfig
+from flexserve.engine.finetune_capacity import (
+    JOB_MEMORY_FRACTION,
+    STATE_BYTES_PER_PARAM,
+    finetune_slot_count,
+)
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.layers.lora_linear import LoRALinear
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
@@ -43,19 +52,42 @@ def attach_lora_linears(
     return modules
 
 
+def finetune_budget_bytes(config: FinetuneConfig | None, device: torch.device) -> int:
+    """Bytes for fine-tuning jobs' slots and state: `job_memory_gib`, else JOB_MEMORY_FRACTION of
+    the device's memory (physical host memory on the CPU)."""
+    if config is not None and config.job_memory_gib is not None:
+        return int(config.job_memory_gib * (1 << 30))
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(JOB_MEMORY_FRACTION * total)
+
+
 class LoRAManager:
     """Owns the LoRA side of one model on one device."""
 
     def __init__(
         self, model: nn.Module, lora_config: LoRAConfig, hf_config: Any,
-        device: torch.device, dtype: torch.dtype,
+        device: torch.device, dtype: torch.dtype, finetune_config: FinetuneConfig | None = None,
     ) -> None:
         self.config = lora_config
         self.device = device
         self.dtype = dtype
         self.shapes = target_shapes(hf_config)
         self.num_layers = hf_config.num_hidden_layers
-        self.modules = attach_lora_linears(model, lora_config.max_loras, lora_config.max_lora_rank)
+        element = torch.empty((), dtype=dtype).element_size()
+        # One slot on every target linear of every layer, A and B at max_lora_rank, plus scaling.
+        self.slot_bytes = self.num_layers * sum(
+            lora_config.max_lora_rank * (n_in + n_out) * element + 4
+            for n_in, n_out in self.shapes.values())
+        budget = finetune_budget_bytes(finetune_config, device)
+        self.num_finetune_slots = finetune_slot_count(
+            lora_config.max_finetune_loras, self.slot_bytes, budget)
+        # What the jobs' training state may take: the budget less the slots.
+        self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes, 0)
+        self.modules = attach_lora_linears(
+            model, lora_config.max_loras + self.num_finetune_slots, lora_config.max_lora_rank)
         fold = getattr(model, "fold_lora_shrinks", None)
         if fold is not None:  # merged GEMMs (GPU path): decode shrinks ride in them
             num_folded = fold()
@@ -64,11 +96,13 @@ class LoRAManager:
         self.slot_ids = [0] * lora_config.max_loras  # lora_int_id held by each slot; 0: empty
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, LRU first
         self._lock = threading.Lock()  # `add` runs on server threads, slot loads on the engine's
-        slot_bytes = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes for m in self.modules.values())
         logger.info(
-            "LoRA: %d slots of rank %d on %d linears (%.1f MiB per slot); host cache: %d adapters",
-            lora_config.max_loras, lora_config.max_lora_rank, len(self.modules),
-            slot_bytes / (1 << 20), lora_config.max_cpu_loras,
+            "LoRA: %d serving slots and %d fine-tuning slots of rank %d on %d linears (%.1f MiB "
+            "per slot); host cache: %d adapters; fine-tuning jobs' training state: %.1f MiB "
+            "(%d bytes per adapter parameter)", lora_config.max_loras, self.num_finetune_slots,
+            lora_config.max_lora_rank, len(self.modules), self.slot_bytes / (1 << 20),
+            lora_config.max_cpu_loras, self.finetune_state_bytes / (1 << 20),
+            STATE_BYTES_PER_PARAM,
         )
 
     @property
@@ -138,4 +172,5 @@ class LoRAManager:
     def clear_slot(self, slot: int) -> None:
         for module in self.modules.values():
             module.set_slot(slot, None, None)
-        self.slot_ids[slot] = 0
+        if slot < len(self.slot_ids):  # a serving slot (fine-tuning slots come after them)
+            self.slot_ids[slot] = 0

@@ -102,7 +102,8 @@ class ModelRunner:
         self.lora_manager = None
         if config.lora is not None:
             self.lora_manager = LoRAManager(
-                self.model, config.lora, self.hf_config, self.device, self.dtype)
+                self.model, config.lora, self.hf_config, self.device, self.dtype,
+                config.finetune)
             if use_triton(self.device):
                 # The CUDA BGMV extension for LoRA decode (FLEXSERVE_LORA_DECODE_BACKEND auto or
                 # cuda): built now, before the profiling forward and CUDA-graph capture, never
@@ -155,6 +156,8 @@ class ModelRunner:
     def initialize_kv_cache(self, max_model_len: int) -> int:
         """Size the cache from memory (after a profiling forward on CUDA), allocate it, bind it."""
         peak = self._profile_activation_peak(max_model_len) if self.device.type == "cuda" else 0
+        if self.lora_manager is not None:  # kept free for fine-tuning jobs' training state
+            peak += self.lora_manager.finetune_state_bytes
         self.num_blocks = num_blocks_from_memory(
             self.kv_cache_spec, self.config.cache, self.device, peak
         )

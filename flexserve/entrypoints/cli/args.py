@@ -100,7 +100,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "concurrently with the forward")
 
     lora = LoRAConfig()
-    group = parser.add_argument_group("fine-tuning (token-level LoRA jobs; each holds a LoRA slot)")
+    finetune = FinetuneConfig()
+    group = parser.add_argument_group(
+        "fine-tuning (token-level LoRA jobs; each holds a fine-tuning LoRA slot)")
     group.add_argument("--max-finetune-len", type=int, default=None,
                        help="longest training sequence; sizes each sequence's gradient buffers "
                             "[max_model_len]")
@@ -123,6 +125,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="under --finetune-activation-budget, keep every other layer's "
                             "activations in pinned host memory (copied on a side stream while "
                             "the GPU computes) before any layer recomputes [off]")
+    group.add_argument("--finetune-job-memory-gib", type=float, default=None, metavar="GIB",
+                       help="memory for fine-tuning jobs' LoRA slots and training state (fp32 "
+                            "adapter weights, gradients, AdamW moments), kept out of the KV "
+                            "cache; a job waits queued while its state does not fit [5%% of the "
+                            "device's memory]")
+    group.add_argument("--max-finetune-loras", type=int, default=None,
+                       help="LoRA slots for fine-tuning jobs, beside the --max-loras serving "
+                            "slots (one per running job) [half the job memory's worth, at most "
+                            "32]")
+    group.add_argument("--finetune-packing-time-limit", type=float,
+                       default=finetune.packing_time_limit_s, metavar="S",
+                       help="time limit of the MILP packing of the running jobs' sequences into "
+                            "bins, per round, on the engine thread (needs scipy); 0: greedy "
+                            "packing [%(default)s]")
+    group.add_argument("--finetune-length-buckets", type=int,
+                       default=finetune.max_length_buckets,
+                       help="length buckets the sequences of a packing round are grouped in "
+                            "(LobRA's dynamic bucketing) [%(default)s]")
     group = parser.add_argument_group(
         "LoRA slots (on by default: fine-tuning jobs and served adapters use them)")
     group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=True,
@@ -172,6 +192,7 @@ def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
     given = {
         "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
         "max_lora_rank": args.max_lora_rank, "allowed_adapter_dir": args.allowed_adapter_dir,
+        "max_finetune_loras": args.max_finetune_loras,
     }
     given = {k: v for k, v in given.items() if v is not None}
     modules = parse_lora_modules(args.lora_modules)
@@ -208,7 +229,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 remat_chains=args.remat_chains,
                                 warmup=not args.no_finetune_warmup,
                                 activation_budget_gib=args.finetune_activation_budget,
-                                activation_offload=args.finetune_activation_offload),
+                                activation_offload=args.finetune_activation_offload,
+                                job_memory_gib=args.finetune_job_memory_gib,
+                                packing_time_limit_s=args.finetune_packing_time_limit,
+                                max_length_buckets=args.finetune_length_buckets),
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,

@@ -95,9 +95,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="newest checkpoints of each fine-tuning job kept on disk (older "
                              "ones are deleted; the newest, the final model once the job ends, "
                              "always stays) [%(default)s]")
-    server.add_argument("--max-concurrent-jobs", type=int, default=1,
-                        help="fine-tuning jobs running at once (each holds a LoRA slot; must "
-                             "be below --max-loras); others wait queued [%(default)s]")
+    server.add_argument("--max-concurrent-jobs", type=int, default=None,
+                        help="at most this many fine-tuning jobs running at once; others wait "
+                             "queued [as many as the fine-tuning slots and memory hold]")
 
     add_engine_arguments(parser)
 
@@ -179,11 +179,13 @@ def serve(args: argparse.Namespace) -> int:
         logger.info("LoRA: max_loras %d (slots of rank %d), max_cpu_loras %d, allowed adapter "
                     "dir: %s | adapters: %s", lora.max_loras, lora.max_lora_rank,
                     lora.max_cpu_loras, lora.allowed_adapter_dir or "any", names)
+        capacity = engine.engine.finetune_capacity
+        if capacity is not None:
+            logger.info("fine-tuning capacity: %s", capacity.describe())
     logger.info("fine-tuning jobs: state in %s | checkpoint every %d steps, newest %d kept | "
-                "%d at once | uploads up to %d MiB", app.state.finetune.store.root,
+                "%s at once | uploads up to %d MiB", app.state.finetune.store.root,
                 finetune.checkpoint_every_steps, finetune.keep_checkpoints,
-                finetune.max_concurrent_jobs,
-                args.max_upload_mb)
+                finetune.max_concurrent_jobs or "as many as fit", args.max_upload_mb)
     if api_keys is None:
         logger.info("API keys: none, /v1/* is open to anyone who can connect")
     else:

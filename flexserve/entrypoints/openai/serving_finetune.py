@@ -213,6 +213,12 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
         raise bad_request(f"lora.r {hp.lora.r} exceeds the server's max_lora_rank {max_rank} "
                           "(--max-lora-rank): the job's adapter lives in a LoRA slot",
                           param="lora.r")
+    capacity = engine.engine.finetune_capacity
+    if capacity is not None:
+        try:
+            capacity.check_fits(hp.lora.r, hp.lora.target_modules)
+        except ValueError as e:
+            raise bad_request(str(e), param="lora.r", code="invalid_value") from e
     if body.suffix is not None:
         check_name(body.suffix, "suffix", "model name")
         if ":" in body.suffix:
