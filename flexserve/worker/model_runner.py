@@ -298,6 +298,7 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(side_stream)
         if finetune:
             runner = self._finetune()
+            runner.read_losses(result.finetune_losses, errors)
             runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
             runner.finish_sequences(plan.finished_finetune_sequences)
         if cuda and fill is None:
@@ -355,10 +356,9 @@ class ModelRunner:
                 with set_forward_context(metadata, lora_meta, finetune=capture):
                     hidden = self.model(input_ids, positions)
         if capture is not None:
-            self._finetune().window_losses(capture, windows, result.finetune_losses, errors)
+            self._finetune().window_losses(capture, windows, errors)
         if windows:
-            self._finetune().reference_logprobs(hidden, windows, num_inference_tokens,
-                                                result.finetune_losses, errors)
+            self._finetune().reference_logprobs(hidden, windows, num_inference_tokens, errors)
         def sample() -> Callable[[], None] | None:
             fill = None
             sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]

@@ -3,8 +3,9 @@ each running sequence's activation store and layer-wise backward (FlexLLM 5.2, 6
 
 The model runner calls, per step: `start_sequences` (plan.finetune_starts), `capture_windows`
 before the shared forward (so the model's layers hand the windows' tensors to their stores),
-`window_losses` after it, then `run_backward` (plan.backward_windows), `optimizer_steps` and
-`finish_sequences`; `reference_logprobs` after the forward when the plan has DPO reference
+`window_losses` after it, then `run_backward` (plan.backward_windows), `read_losses` (the
+step's one wait for the device: every window's loss is queued until then), `optimizer_steps`
+and `finish_sequences`; `reference_logprobs` after the forward when the plan has DPO reference
 windows (sequences started with `reference`: no activation store, no backward, only the summed
 log-probability of their loss tokens), and `run_backward` first scales the loss gradient of the
 sequences in `plan.finetune_grad_scales` (a DPO pair's coefficient). A job's adapter lives in
@@ -57,7 +58,12 @@ from flexserve.worker.finetune.backward_graphs import (
 )
 from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
-from flexserve.worker.finetune.window_loss import window_logprob_sum, window_loss
+from flexserve.worker.finetune.window_loss import (
+    PendingWindowLoss,
+    read_window_losses,
+    window_logprob_sum_async,
+    window_loss_async,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +193,8 @@ class FinetuneRunner:
         self.max_finetune_len = max_finetune_len  # None: each job's max_seq_len bounds its data
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
+        # This step's window losses on the device: (window, is a reference window, pending)
+        self._pending_losses: list[tuple[FinetuneWindow, bool, PendingWindowLoss]] = []
         self.num_activation_bytes = 0  # activation-store bytes held now (metrics)
         self._faults: dict[str, str] = {}  # job id -> fault to inject into its next work
         # Static buffers and graph memory of the jobs' captured backward windows (with an arena)
@@ -428,7 +436,7 @@ class FinetuneRunner:
         return np.concatenate(src), np.concatenate(dest), spans
 
     def window_losses(self, capture: FinetuneCapture, windows: list[FinetuneWindow],
-                      losses: dict, errors: dict[str, str]) -> None:
+                      errors: dict[str, str]) -> None:
         # The capture holds the windows `capture_windows` admitted (errors do not change during
         # the forward); a job failing below must not shift the later windows' indices.
         captured = [w for w in windows if w.job_id not in errors
@@ -447,21 +455,38 @@ class FinetuneRunner:
                     raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
                 if fault == "nan_loss":
                     hidden = hidden * float("nan")
-                loss = window_loss(self.model, hidden, start.token_ids,
-                                   start.loss_mask, window.start, grad_out, start.loss_scale,
-                                   self.loss_chunk_rows)
-                if not math.isfinite(loss.loss_sum):
-                    raise FloatingPointError(
-                        f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
-                        f"(tokens {window.start}-{window.end}): the job diverged; retry with a "
-                        "lower learning rate")
-                losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens,
-                                                               loss.num_correct)
+                self._pending_losses.append((window, False, window_loss_async(
+                    self.model, hidden, start.token_ids, start.loss_mask, window.start,
+                    grad_out, start.loss_scale, self.loss_chunk_rows)))
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 self._fail(window.job_id, e, errors, "its forward window's loss")
 
+    def read_losses(self, losses: dict, errors: dict[str, str]) -> None:
+        """The step's window losses and reference log-probabilities into `losses` as (sum,
+        tokens, correct), read from the device at once (the step's one wait); a non-finite one
+        fails its job."""
+        pending, self._pending_losses = self._pending_losses, []
+        if not pending:
+            return
+        for (window, reference, _), loss in zip(
+                pending, read_window_losses([p for _, _, p in pending])):
+            if window.job_id in errors:
+                continue
+            if not math.isfinite(loss.loss_sum):
+                error = FloatingPointError(
+                    f"the reference log-probability is {-loss.loss_sum} in sequence "
+                    f"{window.sequence_id}: the reference model overflows" if reference else
+                    f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
+                    f"(tokens {window.start}-{window.end}): the job diverged; retry with a lower "
+                    "learning rate")
+                self._fail(window.job_id, error, errors,
+                           "its reference window" if reference else "its forward window's loss")
+                continue
+            losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens,
+                                                           loss.num_correct)
+
     def reference_logprobs(self, hidden: torch.Tensor, windows: list[FinetuneWindow],
-                           first_row: int, losses: dict, errors: dict[str, str]) -> None:
+                           first_row: int, errors: dict[str, str]) -> None:
         """The summed cross-entropy of the loss tokens of each reference window (DPO), from the
         forward's final hidden states `hidden` [T, hidden] (window i's rows start at `first_row`
         + earlier windows' tokens), into `losses` as (sum, tokens, correct) like a window loss."""
@@ -472,15 +497,9 @@ class FinetuneRunner:
             if seq is not None and seq.store is None and window.job_id not in errors:
                 try:
                     start = seq.start
-                    loss = window_logprob_sum(self.model, hidden[row:row + n], start.token_ids,
-                                              start.loss_mask, window.start,
-                                              self.loss_chunk_rows)
-                    if not math.isfinite(loss.loss_sum):
-                        raise FloatingPointError(
-                            f"the reference log-probability is {-loss.loss_sum} in sequence "
-                            f"{window.sequence_id}: the reference model overflows")
-                    losses[(window.job_id, window.sequence_id)] = (
-                        loss.loss_sum, loss.num_tokens, loss.num_correct)
+                    self._pending_losses.append((window, True, window_logprob_sum_async(
+                        self.model, hidden[row:row + n], start.token_ids, start.loss_mask,
+                        window.start, self.loss_chunk_rows)))
                 except Exception as e:  # this job's failure (OOM included), never the engine's
                     self._fail(window.job_id, e, errors, "its reference window")
             row += n

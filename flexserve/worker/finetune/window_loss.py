@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flexserve.layers.device_copy import to_device
 from flexserve.worker.finetune.layer_backward import rmsnorm_backward, rmsnorm_forward
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -45,8 +46,8 @@ def _window_targets(token_ids: Sequence[int], loss_mask: Sequence[bool], start: 
     positions = [p for p in range(start, min(start + n, len(token_ids) - 1)) if loss_mask[p + 1]]
     if not positions:
         return None, None
-    rows = torch.tensor([p - start for p in positions], dtype=torch.int64).to(device)
-    targets = torch.tensor([token_ids[p + 1] for p in positions], dtype=torch.int64).to(device)
+    rows = to_device([p - start for p in positions], device, torch.int64)
+    targets = to_device([token_ids[p + 1] for p in positions], device, torch.int64)
     return rows, targets
 
 
@@ -76,7 +77,43 @@ class WindowLoss:
     num_correct: int = 0  # counted targets that are the argmax of their logits (accuracy)
 
 
-def window_loss(
+@dataclass(slots=True)
+class PendingWindowLoss:
+    """A window's loss still on the device: its work is queued, nothing waited for. A step reads
+    all of its windows' losses at once (`read_window_losses`), with one host sync."""
+
+    sums: torch.Tensor | None  # [2] on the device: the cross-entropy sum, the correct count
+    num_tokens: int  # how many targets counted (known on the host)
+
+    def result(self) -> WindowLoss:
+        return read_window_losses([self])[0]
+
+
+def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]:
+    """The losses of `pending` windows on the host, with one device-to-host copy for them all."""
+    on_device = [p.sums for p in pending if p.sums is not None]
+    values = iter(torch.stack(on_device).tolist() if on_device else [])
+    results = []
+    for p in pending:
+        if p.sums is None:
+            results.append(WindowLoss(0.0, 0))
+        else:
+            loss_sum, correct = next(values)
+            results.append(WindowLoss(loss_sum, p.num_tokens, int(correct)))
+    return results
+
+
+def window_loss(*args: Any, **kwargs: Any) -> WindowLoss:
+    """`window_loss_async`, waited for."""
+    return window_loss_async(*args, **kwargs).result()
+
+
+def window_logprob_sum(*args: Any, **kwargs: Any) -> WindowLoss:
+    """`window_logprob_sum_async`, waited for."""
+    return window_logprob_sum_async(*args, **kwargs).result()
+
+
+def window_loss_async(
     model: Any,
     stream: torch.Tensor,
     token_ids: Sequence[int],
@@ -85,7 +122,7 @@ def window_loss(
     grad_out: torch.Tensor,
     grad_scale: float,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> WindowLoss:
+) -> PendingWindowLoss:
     """Cross-entropy of a window and grad_scale x its gradient w.r.t. the window's stream.
 
     stream [n, hidden]: the last layer's output (before the final norm) at positions
@@ -93,8 +130,8 @@ def window_loss(
     grad_out [n, hidden] fp32 (the window's rows of the sequence's residual-gradient buffer)
     receives grad_scale * d(sum of the window's CE)/d(stream), zero on rows without a target;
     grad_scale is 1 / (loss tokens of the whole step) for a mean loss. Also counts the targets
-    that are their row's argmax (each row's own logits: exact whatever the window split). One host
-    sync, for the sum and the count.
+    that are their row's argmax (each row's own logits: exact whatever the window split). Nothing
+    is waited for: the sum and the count stay on the device until read.
     """
     n, hidden = stream.shape
     if tuple(grad_out.shape) != (n, hidden) or grad_out.dtype != torch.float32:
@@ -103,7 +140,7 @@ def window_loss(
     rows, targets = _window_targets(token_ids, loss_mask, start, n, chunk_rows, stream.device)
     grad_out.zero_()
     if rows is None:
-        return WindowLoss(0.0, 0)
+        return PendingWindowLoss(None, 0)
     norm, weight = model.model.norm, model.lm_head.weight
     loss_dtype, total, correct = _accumulators(weight, stream.device)
     for index, chunk_targets, x in _chunks(stream, rows, targets, chunk_rows):
@@ -130,18 +167,17 @@ def window_loss(
         grad = rmsnorm_backward(x, norm.weight, norm.variance_epsilon, grad_hidden)
         grad_out.index_copy_(0, index, grad[:num])
         del logits
-    sums = torch.stack([total, correct.to(loss_dtype)]).tolist()
-    return WindowLoss(sums[0], rows.shape[0], int(sums[1]))
+    return PendingWindowLoss(torch.stack([total, correct.to(loss_dtype)]), rows.shape[0])
 
 
-def window_logprob_sum(
+def window_logprob_sum_async(
     model: Any,
     hidden: torch.Tensor,
     token_ids: Sequence[int],
     loss_mask: Sequence[bool],
     start: int,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-) -> WindowLoss:
+) -> PendingWindowLoss:
     """The cross-entropy of a window's counted targets with no gradient: a DPO reference window.
 
     hidden [n, hidden]: the model's final hidden states (after the final norm) at positions
@@ -151,7 +187,7 @@ def window_logprob_sum(
     rows, targets = _window_targets(token_ids, loss_mask, start, hidden.shape[0], chunk_rows,
                                     hidden.device)
     if rows is None:
-        return WindowLoss(0.0, 0)
+        return PendingWindowLoss(None, 0)
     weight = model.lm_head.weight
     loss_dtype, total, correct = _accumulators(weight, hidden.device)
     for index, chunk_targets, x in _chunks(hidden, rows, targets, chunk_rows):
@@ -160,5 +196,4 @@ def window_logprob_sum(
         logprobs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
         total -= logprobs.gather(1, chunk_targets[:, None]).sum()
         del logits, logprobs
-    sums = torch.stack([total, correct.to(loss_dtype)]).tolist()
-    return WindowLoss(sums[0], rows.shape[0], int(sums[1]))
+    return PendingWindowLoss(torch.stack([total, correct.to(loss_dtype)]), rows.shape[0])
