@@ -89,6 +89,47 @@ def test_bitmask_matches_xgrammar_reference():
     assert torch.isinf(got).sum() > vocab_size  # the masks do remove tokens
 
 
+def test_padded_vocabulary_rows_allow_only_the_grammars_tokens(smollm2_dir):
+    """A model vocabulary larger than its tokenizer (padding rows): the matchers work over the
+    tokenizer's ids, constrained rows allow exactly xgrammar's tokens among them and no padding
+    id, free rows allow everything."""
+    from transformers import AutoTokenizer
+
+    from flexserve.engine.plan import ScheduledSequence
+    from flexserve.worker.structured_outputs import GrammarManager
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    padded = len(tokenizer) + 77  # not a multiple of 32
+    manager = GrammarManager(tokenizer, padded, [tokenizer.eos_token_id])
+    assert manager.grammar_vocab_size == len(tokenizer)
+    schema = json.dumps(Point.model_json_schema())
+    constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        json=schema))
+    prefix = tokenizer.encode('{"x": 1', add_special_tokens=False)
+    rows = [ScheduledSequence(f"r{i}", [prefix[-1]], 3 + len(prefix) - 1, [], True, params,
+                              [1, 2, 3], list(prefix), tokenizer.eos_token_id, None)
+            for i, params in enumerate([constrained, SamplingParams(max_tokens=8), constrained])]
+    bitmask = manager.bitmask(rows, torch.device("cpu"))
+    assert bitmask.shape == (3, (padded + 31) // 32)
+    allowed = ((bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool()
+    allowed = allowed.view(3, -1)[:, :padded]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer),
+                                              stop_token_ids=[tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(
+        schema, any_whitespace=False))
+    for token_id in prefix:
+        assert matcher.accept_token(token_id)
+    reference = xgr.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(reference, 0)
+    expected = ((reference.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool()
+    expected = expected.view(-1)[:len(tokenizer)]
+    for row in (0, 2):
+        assert torch.equal(allowed[row, :len(tokenizer)], expected)
+        assert not allowed[row, len(tokenizer):].any()
+    assert 0 < int(expected.sum()) < len(tokenizer)  # the grammar does restrict the next token
+    assert allowed[1].all()
+
+
 def mixed_batch(llm: LLM, adapter: str):
     """Eight conversations: JSON schemas (base and LoRA), regex, choice, grammar, json_object,
     and two free rows; greedy and seeded sampling."""

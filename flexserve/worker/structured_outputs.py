@@ -97,10 +97,16 @@ class GrammarManager:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
         xgr = _xgrammar()
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids)) or None)
-        self.compiler = xgr.GrammarCompiler(info)
+        # The matchers know the tokenizer's own ids only: the embedding rows past them (padding
+        # of the model's vocabulary) have no text, are never allowed in a constrained row, and
+        # would cost xgrammar a per-token check on every mask (79K of them made a mask of
+        # SmolLM2's tokenizer over Llama 3's vocabulary 20x slower, 100 us a row on the CPU).
         self.vocab_size = vocab_size
+        self.grammar_vocab_size = min(vocab_size, len(tokenizer))
+        stops = sorted(t for t in set(stop_token_ids) if t < self.grammar_vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.grammar_vocab_size, stop_token_ids=stops or None)
+        self.compiler = xgr.GrammarCompiler(info)
         self._compiled: OrderedDict[StructuredOutputsParams, Any] = OrderedDict()
         self._requests: dict[str, _RequestGrammar] = {}
 
@@ -121,6 +127,10 @@ class GrammarManager:
         if not any(row.sampling_params.structured_outputs is not None for row in rows):
             return None
         bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
+        # the matchers fill masks of their own width (the same tensor when nothing is padded)
+        masks = (bitmask if self.grammar_vocab_size == self.vocab_size
+                 else self._xgr.allocate_token_bitmask(len(rows), self.grammar_vocab_size))
+        constrained: list[int] = []
         previous: list[int] | None = None
         for i, row in enumerate(rows):
             params = row.sampling_params.structured_outputs
@@ -142,8 +152,23 @@ class GrammarManager:
             self._advance(row.request_id, state, tokens)
             matcher = state.matcher
             if matcher is not None and not state.broken and not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, i)
+                matcher.fill_next_token_bitmask(masks, i)
+                constrained.append(i)
+        if masks is not bitmask and constrained:
+            self._widen(masks, bitmask, constrained)
         return to_device(bitmask, device)
+
+    def _widen(self, masks: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Copy the constrained `rows` of the matchers' masks into the model-wide bitmask, with
+        every id past the tokenizer's disallowed."""
+        index = torch.tensor(rows)
+        width = masks.shape[1]
+        wide = torch.zeros((len(rows), bitmask.shape[1]), dtype=bitmask.dtype)
+        wide[:, :width] = masks[index]
+        tail = self.grammar_vocab_size % 32
+        if tail:  # the last word's bits past the tokenizer's ids
+            wide[:, width - 1] &= (1 << tail) - 1
+        bitmask[index] = wide
 
     def _advance(self, request_id: str, state: _RequestGrammar, tokens: list[int]) -> None:
         state.num_accepted += len(tokens)
