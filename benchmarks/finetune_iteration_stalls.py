@@ -64,7 +64,7 @@ def main() -> None:
     from torch.nn.attention import SDPBackend
 
     from flexserve import LLM
-    from flexserve.engine import latency_model
+    from flexserve.engine import iteration_shape, online_latency_model
     from flexserve.finetune.data import TrainingData, TrainingExample
     from flexserve.finetune.hyperparameters import Hyperparameters
     from flexserve.worker.finetune import backward_ops
@@ -77,7 +77,7 @@ def main() -> None:
     current = install_timers()
     install_gc_timer(current)
     records: list[dict] = []
-    observe = latency_model.OnlineLatencyModel.observe
+    observe = online_latency_model.OnlineLatencyModel.observe
     counts = [dict.fromkeys(ALLOCATOR, 0)]
 
     def recording_observe(self, shape, seconds):
@@ -85,7 +85,7 @@ def main() -> None:
         observe(self, shape, seconds)
         stats = torch.cuda.memory_stats() if cuda else {}
         now = {k: stats.get(k, 0) for k in ALLOCATOR}
-        records.append({"shape": {f: getattr(shape, f) for f in latency_model._SHAPE_FIELDS
+        records.append({"shape": {f: getattr(shape, f) for f in iteration_shape._SHAPE_FIELDS
                                   if getattr(shape, f)},
                         "predicted_ms": round(1e3 * predicted, 2),
                         "measured_ms": round(1e3 * seconds, 2),
@@ -93,7 +93,7 @@ def main() -> None:
                         "allocator": {k: now[k] - counts[0][k] for k in ALLOCATOR}})
         counts[0] = now
         current.clear()
-    latency_model.OnlineLatencyModel.observe = recording_observe
+    online_latency_model.OnlineLatencyModel.observe = recording_observe
 
     llm = LLM(args.model, load_format="dummy", dtype="bfloat16" if cuda else "float32",
               max_model_len=8192,

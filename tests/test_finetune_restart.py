@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flexserve.engine.latency_model import IterationShape, LatencyModel
+from flexserve.engine.iteration_shape import IterationShape
+from flexserve.engine.latency_model import LatencyModel
 
 from _server_process import ServerProcess
 

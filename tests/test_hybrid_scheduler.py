@@ -19,7 +19,7 @@ from flexserve.engine.hybrid_scheduler import (
     TPOT_MEAN_WINDOW,
     WINDOW_ALIGNMENT,
 )
-from flexserve.engine.latency_model import IterationShape, plan_shape
+from flexserve.engine.iteration_shape import IterationShape, plan_shape
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.engine.request import Request
 from flexserve.engine.scheduler import Scheduler

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from flexserve.engine.iteration_shape import IterationShape
 from flexserve.engine.iteration_trace import IterationTrace, load_trace
-from flexserve.engine.latency_model import IterationShape
 
 
 def test_iteration_lines_round_trip_and_events_are_skipped(tmp_path):

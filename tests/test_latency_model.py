@@ -11,20 +11,22 @@ import random
 
 import pytest
 
-from flexserve.engine.latency_model import (
+from flexserve.engine.iteration_shape import (
     IterationShape,
-    LatencyModel,
-    OnlineLatencyModel,
     backward_window_shape,
-    default_knots,
     forward_window_shape,
     inference_row_shape,
+    plan_shape,
+)
+from flexserve.engine.latency_model import (
+    LatencyModel,
+    default_knots,
     load_matching_profile,
     max_window,
     nnls,
-    plan_shape,
     profile_path,
 )
+from flexserve.engine.online_latency_model import OnlineLatencyModel
 from flexserve.engine.plan import BackwardWindow, BatchPlan, FinetuneWindow, ScheduledSequence
 from flexserve.sampling_params import SamplingParams
 

@@ -20,13 +20,8 @@ import pytest
 import torch
 
 from flexserve.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
-from flexserve.engine.latency_model import (
-    IterationShape,
-    LatencyModel,
-    load_matching_profile,
-    plan_shape,
-    profile_path,
-)
+from flexserve.engine.iteration_shape import IterationShape, plan_shape
+from flexserve.engine.latency_model import LatencyModel, load_matching_profile, profile_path
 from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import StepResult
 from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, ProfileGrid

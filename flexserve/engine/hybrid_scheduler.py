@@ -41,15 +41,15 @@ from collections.abc import Callable, Iterable, Sequence
 from flexserve.config import CoserveConfig, SchedulerConfig
 from flexserve.engine.fairness import VirtualTokenCounter, VTCWeights
 from flexserve.engine.finetune_scheduler import FinetuneJobState, TokenBudgetSizer
-from flexserve.engine.iteration_trace import IterationTrace
-from flexserve.engine.latency_model import (
+from flexserve.engine.iteration_shape import (
     IterationShape,
-    OnlineLatencyModel,
     backward_window_shape,
     forward_window_shape,
-    max_window,
     plan_shape,
 )
+from flexserve.engine.iteration_trace import IterationTrace
+from flexserve.engine.latency_model import max_window
+from flexserve.engine.online_latency_model import OnlineLatencyModel
 from flexserve.engine.plan import BatchPlan
 from flexserve.engine.request import Request
 from flexserve.engine.sharing_policy import DynamicTemporalSharing, SharingPolicy, TemporalSharing

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flexserve import envs
-from flexserve.engine.latency_model import _SHAPE_FIELDS, IterationShape
+from flexserve.engine.iteration_shape import _SHAPE_FIELDS, IterationShape
 
 
 class IterationTrace:

@@ -26,9 +26,9 @@ only) on relative error (rows weighted by 1 / measured), so f is monotone non-de
 count and convex in T, which `max_window`'s binary search needs. Optimizer steps are not
 modelled (one per mini-batch, a small share of the AdamW-over-adapters time of an iteration).
 
-`OnlineLatencyModel` is what the scheduler holds: a profile corrected by an EWMA of
-measured / predicted, or, without a profile, a conservative fallback that learns from the
-iterations it sees (see its docstring).
+`IterationShape` (iteration_shape.py) is what f reads; `OnlineLatencyModel`
+(online_latency_model.py) is what the scheduler holds: a profile corrected by an EWMA of measured /
+predicted, or, without a profile, a conservative fallback that learns from the iterations it sees.
 """
 
 from __future__ import annotations
@@ -41,88 +41,15 @@ import re
 import statistics
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass, fields
 from typing import Any
 
-from flexserve.engine.plan import BatchPlan
+from flexserve.engine.iteration_shape import IterationShape
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "flexserve-latency-model"
 FORMAT_VERSION = 1
-
-
-@dataclass(slots=True)
-class IterationShape:
-    """The work of one iteration as the latency model sees it (counts only)."""
-
-    prefill_tokens: int = 0  # inference tokens in rows with more than one new token
-    prefill_attention: int = 0  # over those rows: n * (num_computed + (n + 1) / 2) query-key pairs
-    decode_rows: int = 0  # inference rows with exactly one new token
-    decode_context: int = 0  # over decode rows: num_computed + 1 (keys each reads)
-    finetune_tokens: int = 0  # tokens of fine-tuning forward windows
-    finetune_attention: int = 0  # query-key pairs of those windows (num_computed = start)
-    backward_tokens: int = 0  # over backward windows: end - start (token-layers)
-    backward_attention: int = 0  # over backward windows: (end - start) * (start + end + 1) / 2
-    # Beyond the counts above: fixed costs per window (a backward window runs one layer's op
-    # sequence once; a forward window has its own loss, LoRA segment and activation stores).
-    backward_windows: int = 0  # backward windows
-    finetune_windows: int = 0  # fine-tuning forward windows
-
-    def __add__(self, other: IterationShape) -> IterationShape:
-        return IterationShape(*[getattr(self, name) + getattr(other, name)
-                                for name in _SHAPE_FIELDS])
-
-    @property
-    def total_forward_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_rows + self.finetune_tokens
-
-
-_SHAPE_FIELDS = tuple(f.name for f in fields(IterationShape))
-
-
-def _pairs(num_computed: int, num_new: int) -> int:
-    """Causal query-key pairs of n queries after c cached keys: n * (c + (n + 1) / 2)."""
-    return num_new * num_computed + num_new * (num_new + 1) // 2
-
-
-def inference_row_shape(num_computed: int, num_new: int) -> IterationShape:
-    """One inference row: a decode row (one new token) or a prefill chunk."""
-    if num_new <= 0:
-        return IterationShape()
-    if num_new == 1:
-        return IterationShape(decode_rows=1, decode_context=num_computed + 1)
-    return IterationShape(prefill_tokens=num_new, prefill_attention=_pairs(num_computed, num_new))
-
-
-def forward_window_shape(start: int, num_tokens: int) -> IterationShape:
-    """A fine-tuning forward window of `num_tokens` at position `start` (finetune fields only)."""
-    if num_tokens <= 0:
-        return IterationShape()
-    return IterationShape(finetune_tokens=num_tokens,
-                          finetune_attention=_pairs(start, num_tokens), finetune_windows=1)
-
-
-def backward_window_shape(start: int, end: int) -> IterationShape:
-    """One layer's backward over [start, end), keys [0, end) (backward fields only)."""
-    if end <= start:
-        return IterationShape()
-    return IterationShape(backward_tokens=end - start,
-                          backward_attention=_pairs(start, end - start), backward_windows=1)
-
-
-def plan_shape(plan: BatchPlan) -> IterationShape:
-    """The counts of everything a plan runs (optimizer steps are not modelled)."""
-    shape = IterationShape()
-    for row in plan.sequences:
-        shape += inference_row_shape(row.num_computed_tokens, row.num_scheduled_tokens)
-    for window in plan.finetune_windows:
-        shape += forward_window_shape(window.start, window.end - window.start)
-    for window in plan.backward_windows:
-        shape += backward_window_shape(window.start, window.end)
-    return shape
 
 
 def max_window(cost: Callable[[int], float], limit: float, max_tokens: int) -> int:
@@ -351,173 +278,3 @@ def load_matching_profile(state_dir: str, device_name: str, model_name: str,
         logger.warning("ignoring latency profile %s: made for %s, not %s", path, wrong, expected)
         return None
     return model
-
-
-# ------------------------------------------------------------------------ online correction
-class OnlineLatencyModel:
-    """What the scheduler holds: a base model (a profile, or the fallback) corrected online.
-
-    With a profile, predict = base.predict(shape) * scale, where scale is an EWMA (`ewma_alpha`)
-    of measured / predicted over the observed iterations. Each ratio is clamped to
-    [scale / 2, 2 * scale] first, and the scale stays in [1/4, 4]. An iteration over
-    `stall_ratio` (3) x the corrected prediction is a stall (a compile, an allocator retry) and
-    leaves the scale alone, unless `max_stalls` (8) come in a row: then the device really is
-    slower and the scale follows.
-
-    Without a profile (`is_fallback`) the model is conservative on purpose: an optimistic f breaks
-    the inference SLO, a pessimistic one only costs fine-tuning throughput.
-    - Fine-tuning work is capped: a shape with more fine-tuning forward tokens or backward
-      token-layers than max(initial_window, 2 x the most in one observed iteration of the data of
-      the current fit) is predicted to take forever (inf). Windows so grow at most 2x per refit
-      and never extrapolate far beyond measured shapes.
-    - Until `min_fit_samples` distinct shapes have been observed there is no fit and no growth:
-      the prediction for a shape within the cap is `safety_factor` x the longest of the last 16
-      measured iterations (0 before the first; the cap alone bounds that first window).
-    - Then every `refit_interval` observations the model is refitted by NNLS (like a profile) on
-      the last `max_samples` observations, and predict = fit x scale x safety_factor (the scale
-      restarts at 1 after each refit and tracks drift between refits). A due refit runs when
-      the fit is next used for fine-tuning work (a prediction with fine-tuning tokens, `model`,
-      the caps), not in `observe`: inference-only serving never pays for it (a refit on 512
-      samples took ~16 ms of host time, ~0.5 ms per decode step on average, measured on this
-      project's CPU with `benchmarks/host_overhead.py --profile`).
-    """
-
-    def __init__(self, base: LatencyModel | None, ewma_alpha: float = 0.1, *,
-                 safety_factor: float = 1.25, initial_window: int = 16, min_fit_samples: int = 8,
-                 refit_interval: int = 16, max_samples: int = 512,
-                 error_window: int = 100) -> None:
-        if not 0.0 < ewma_alpha <= 1.0:
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
-        if safety_factor < 1.0:
-            raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
-        self.base = base
-        self.ewma_alpha = ewma_alpha
-        self.safety_factor = safety_factor
-        self.initial_window = initial_window
-        self.min_fit_samples = min_fit_samples
-        self.refit_interval = refit_interval
-        self._scale = 1.0
-        self._num_observed = 0
-        self.stall_ratio = 3.0  # measured / predicted above which an iteration is a stall
-        self.max_stalls = 8  # stalls in a row after which the scale follows anyway
-        self._num_stalls = 0
-        self._errors: deque[float] = deque(maxlen=error_window)
-        # Fallback state: observations, the current fit and the caps its data allows.
-        self._samples: deque[tuple[IterationShape, float]] = deque(maxlen=max_samples)
-        self._recent: deque[float] = deque(maxlen=16)
-        self._fitted: LatencyModel | None = None
-        self._since_fit = 0
-        self._refit_due = False
-        self._max_finetune_tokens = initial_window
-        self._max_backward_tokens = initial_window
-
-    @property
-    def is_fallback(self) -> bool:
-        """True when no profile was loaded."""
-        return self.base is None
-
-    @property
-    def scale(self) -> float:
-        """The current correction factor of the base (or fallback fit) prediction."""
-        return self._scale
-
-    @property
-    def num_observed(self) -> int:
-        return self._num_observed
-
-    @property
-    def error_ratio(self) -> float:
-        """Rolling mean of |predicted - measured| / measured (0 before any sample)."""
-        return sum(self._errors) / len(self._errors) if self._errors else 0.0
-
-    @property
-    def model(self) -> LatencyModel | None:
-        """The profile, else the fallback's current fit (None before its first)."""
-        if self.base is not None:
-            return self.base
-        self._refit_if_due()
-        return self._fitted
-
-    @property
-    def max_finetune_tokens(self) -> int | None:
-        """The fallback's cap on fine-tuning forward tokens per iteration (None with a profile)."""
-        if self.base is not None:
-            return None
-        self._refit_if_due()
-        return self._max_finetune_tokens
-
-    @property
-    def max_backward_tokens(self) -> int | None:
-        """The fallback's cap on backward token-layers per iteration (None with a profile)."""
-        if self.base is not None:
-            return None
-        self._refit_if_due()
-        return self._max_backward_tokens
-
-    def predict(self, shape: IterationShape) -> float:
-        """Seconds the iteration is expected to take (corrected); inf when the fallback refuses
-        to extrapolate that far."""
-        if self.base is not None:
-            return self.base.predict(shape) * self._scale
-        if shape.finetune_tokens or shape.backward_tokens:
-            self._refit_if_due()
-        if (shape.finetune_tokens > self._max_finetune_tokens
-                or shape.backward_tokens > self._max_backward_tokens):
-            return math.inf
-        if self._fitted is None:
-            return self.safety_factor * max(self._recent, default=0.0)
-        return self._fitted.predict(shape) * self._scale * self.safety_factor
-
-    def observe(self, shape: IterationShape, seconds: float) -> None:
-        """Record one executed iteration (call after every step); ignores non-positive times."""
-        if not (seconds > 0 and math.isfinite(seconds)):
-            return
-        predicted = self.predict(shape)
-        if math.isfinite(predicted) and predicted > 0:
-            self._errors.append(abs(predicted - seconds) / seconds)
-        self._num_observed += 1
-        model = self.base if self.base is not None else self._fitted
-        uncorrected = model.predict(shape) if model is not None else 0.0
-        if uncorrected > 0:
-            raw = seconds / uncorrected
-            # A lone iteration several times slower than predicted is a stall (a kernel compiled
-            # for a new shape, an allocator retry), not a slower device: H200, Llama-3.1-8B, the
-            # first backward windows of a job took 1.0-1.3 s against 45 ms predicted and drove
-            # the scale to 3.5, shrinking every window for the next ~20 iterations. Only a run of
-            # `max_stalls` such iterations in a row moves the scale.
-            self._num_stalls = self._num_stalls + 1 if raw > self.stall_ratio * self._scale \
-                else 0
-            if not 0 < self._num_stalls <= self.max_stalls:
-                ratio = min(max(raw, 0.5 * self._scale), 2.0 * self._scale)
-                self._scale += self.ewma_alpha * (ratio - self._scale)
-                self._scale = min(max(self._scale, 0.25), 4.0)
-        if self.base is None:
-            self._samples.append((shape, seconds))
-            self._recent.append(seconds)
-            self._since_fit += 1
-            if self._since_fit >= self.refit_interval or self._fitted is None:
-                self._refit_due = True
-
-    def _refit_if_due(self) -> None:
-        if self._refit_due:
-            self._refit_due = False
-            self._refit()
-
-    def _refit(self) -> None:
-        distinct = {astuple(shape) for shape, _ in self._samples}
-        if len(distinct) < self.min_fit_samples:
-            return
-        samples = list(self._samples)
-        first = self._fitted is None
-        self._fitted = LatencyModel.fit(samples, {"source": "online fallback"})
-        self._since_fit = 0
-        self._scale = 1.0
-        self._max_finetune_tokens = max(
-            self.initial_window, 2 * max(s.finetune_tokens for s, _ in samples))
-        self._max_backward_tokens = max(
-            self.initial_window, 2 * max(s.backward_tokens for s, _ in samples))
-        if first:
-            logger.info("latency model (fallback, no profile): first fit on %d iterations; "
-                        "fine-tuning windows now grow at most 2x per %d iterations (run "
-                        "`flexserve profile` to size them right away)", len(samples),
-                        self.refit_interval)

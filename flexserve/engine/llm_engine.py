@@ -21,14 +21,10 @@ from flexserve.engine.finetune_scheduler import (
     TrainingSequence,
 )
 from flexserve.engine.input_processor import InputProcessor, Prompt
-from flexserve.engine.latency_model import (
-    LatencyModel,
-    OnlineLatencyModel,
-    load_matching_profile,
-    profile_path,
-)
+from flexserve.engine.latency_model import LatencyModel, load_matching_profile, profile_path
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.model_info import ModelInfo
+from flexserve.engine.online_latency_model import OnlineLatencyModel
 from flexserve.engine.output_processor import OutputProcessor
 from flexserve.engine.request import Request, RequestStatus
 from flexserve.engine.scheduler import Scheduler

@@ -40,7 +40,7 @@ from flexserve.engine.adapter_manager import AdapterManager
 from flexserve.engine.finetune_scheduler import FinetuneScheduler
 from flexserve.engine.hybrid_scheduler import HybridTokenScheduler, StepMode
 from flexserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from flexserve.engine.latency_model import OnlineLatencyModel
+from flexserve.engine.online_latency_model import OnlineLatencyModel
 from flexserve.engine.plan import (
     PLACEHOLDER_TOKEN_ID,
     BatchPlan,

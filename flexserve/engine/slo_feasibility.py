@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from flexserve.engine.latency_model import IterationShape
+from flexserve.engine.iteration_shape import IterationShape
 
 logger = logging.getLogger(__name__)
 

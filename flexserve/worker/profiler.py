@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from flexserve.engine.latency_model import IterationShape, LatencyModel, plan_shape
+from flexserve.engine.iteration_shape import IterationShape, plan_shape
+from flexserve.engine.latency_model import LatencyModel
 from flexserve.engine.plan import (
     BackwardWindow,
     BatchPlan,
