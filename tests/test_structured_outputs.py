@@ -130,6 +130,44 @@ def test_padded_vocabulary_rows_allow_only_the_grammars_tokens(smollm2_dir):
     assert allowed[1].all()
 
 
+def test_constraints_compile_when_requests_are_prepared(llm):
+    """A server prepares requests on its worker threads: the grammar compiles there, and the
+    engine's step, which every running request waits for, finds it compiled."""
+    import threading
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        regex=r"[0-9]{3}-unique-to-this-test"))
+    compiled_on: list[str] = []
+    prepared = []
+
+    def prepare() -> None:
+        prepared.append(engine.process_inputs("prep-0", "Three digits:", params))
+
+    runner = engine.executor
+    original = runner._grammars()._compile
+
+    def spy(p):
+        compiled_on.append(threading.current_thread().name)
+        return original(p)
+
+    runner.grammars._compile = spy
+    try:
+        thread = threading.Thread(target=prepare, name="server-worker")
+        thread.start()
+        thread.join()
+        engine.add_prepared_request(prepared[0])
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert compiled_on == ["server-worker"]  # once, and not in the steps
+    finally:
+        del runner.grammars._compile
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        grammar='root ::= "a" undefined_rule'))
+    with pytest.raises(ValueError, match="structured outputs"):
+        engine.process_inputs("prep-1", "x", bad)
+
+
 def mixed_batch(llm: LLM, adapter: str):
     """Eight conversations: JSON schemas (base and LoRA), regex, choice, grammar, json_object,
     and two free rows; greedy and seeded sampling."""

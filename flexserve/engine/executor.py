@@ -11,6 +11,7 @@ from typing import Protocol
 
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import BatchPlan, StepResult
+from flexserve.sampling_params import StructuredOutputsParams
 
 
 class Executor(Protocol):
@@ -43,4 +44,14 @@ class LoRAExecutor(Executor, Protocol):
     @property
     def num_cpu_loras(self) -> int:
         """Adapters held in host memory."""
+        ...
+
+
+class StructuredOutputsExecutor(Executor, Protocol):
+    """An executor that constrains sampling with grammars (the model runner)."""
+
+    def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile the constraint now, so the step that first samples under it does not;
+        ValueError when it does not compile. Thread-safe: servers call it off the engine
+        thread, while requests are prepared."""
         ...

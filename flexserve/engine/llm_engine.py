@@ -141,6 +141,12 @@ class LLMEngine:
         """
         self.input_processor.check_params(params)
         text, token_ids = self.input_processor.process(prompt)
+        if params.structured_outputs is not None:
+            # Grammars compile here (a JSON schema: tens of milliseconds), not in the engine's
+            # step, which every running request waits for.
+            compile_grammar = getattr(self.executor, "prepare_structured_outputs", None)
+            if compile_grammar is not None:
+                compile_grammar(params.structured_outputs)
         return PreparedRequest(
             request_id=request_id,
             prompt_text=prompt_text if prompt_text is not None else text,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ from flexserve.model.registry import ResolvedModel
 from flexserve.peft.bypass import target_shapes
 from flexserve.peft.graph_pruning import PruningPlan
 from flexserve.peft.peft_io import load_peft_adapter
+from flexserve.sampling_params import StructuredOutputsParams
 from flexserve.worker.cuda_graphs import CUDAGraphRunner
 from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.finetune.graph_capture import GraphCapture
@@ -135,6 +137,7 @@ class ModelRunner:
         self._tokenizer: Any | None = None
         self._stop_token_ids: list[int] = []
         self.grammars: GrammarManager | None = None
+        self._grammars_lock = threading.Lock()
 
     def set_tokenizer(self, tokenizer: Any | None, eos_token_id: int | None) -> None:
         """The tokenizer structured outputs compile their grammars against; its EOS ends them."""
@@ -509,13 +512,18 @@ class ModelRunner:
             return host.tolist()
         return self._last_sampled.tolist()
 
+    def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile a request's constraint ahead of its steps (`StructuredOutputsExecutor`)."""
+        self._grammars().compile(params)
+
     def _grammars(self) -> GrammarManager:
-        if self.grammars is None:
-            if self._tokenizer is None:
-                raise ValueError("structured outputs need the model's tokenizer")
-            self.grammars = GrammarManager(self._tokenizer, self.vocab_size,
-                                           self._stop_token_ids)
-        return self.grammars
+        with self._grammars_lock:  # servers prepare requests on several threads
+            if self.grammars is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer")
+                self.grammars = GrammarManager(self._tokenizer, self.vocab_size,
+                                               self._stop_token_ids)
+            return self.grammars
 
     def _continuation_input_ids(self, num_rows: int) -> torch.Tensor:
         """The tokens the previous plan sampled, one per row, still on the device."""

@@ -1,7 +1,9 @@
 """Grammar-constrained decoding (structured outputs) with xgrammar, on the worker.
 
-Each request's constraint is compiled once (cached by its parameters); a matcher per request
-follows the tokens it generated, on the host, and fills that row of the step's token bitmask,
+Each request's constraint is compiled once (cached by its parameters) when the request is
+prepared, off the engine thread in a server (`ModelRunner.prepare_structured_outputs`); a
+matcher per request follows the tokens it generated, on the host, and fills that row of the
+step's token bitmask,
 which reaches the sampler as an input tensor (`SamplingMetadata.token_bitmask`). Under
 asynchronous scheduling a row's last token is still on the device when its plan is built: the
 matcher takes it from the previous step's sampled tokens, which the device produced before this
@@ -17,6 +19,7 @@ import importlib.util
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -108,6 +111,7 @@ class GrammarManager:
             tokenizer, vocab_size=self.grammar_vocab_size, stop_token_ids=stops or None)
         self.compiler = xgr.GrammarCompiler(info)
         self._compiled: OrderedDict[StructuredOutputsParams, Any] = OrderedDict()
+        self._lock = threading.Lock()
         self._requests: dict[str, _RequestGrammar] = {}
 
     @property
@@ -184,19 +188,32 @@ class GrammarManager:
                 state.broken = True
                 return
 
-    def _matcher(self, params: StructuredOutputsParams) -> Any | None:
-        compiled = self._compiled.get(params)
-        if compiled is None:
-            try:
-                compiled = self._compile(params)
-            except Exception as e:  # checked at the API already; a worker never crashes on it
-                logger.error("cannot compile structured outputs %s: %s", params, e)
-                return None
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `params`, from the cache or compiled now; ValueError when it
+        does not compile. Thread-safe: requests are prepared on server threads while the engine
+        thread fills masks (two threads compiling one new constraint both get a valid grammar)."""
+        with self._lock:
+            compiled = self._compiled.get(params)
+            if compiled is not None:
+                self._compiled.move_to_end(params)
+                return compiled
+        try:
+            compiled = self._compile(params)
+        except Exception as e:  # xgrammar raises RuntimeError or its own types
+            raise ValueError(f"cannot compile the structured outputs constraint: "
+                             f"{_first_line(e)}") from None
+        with self._lock:
             self._compiled[params] = compiled
             if len(self._compiled) > MAX_COMPILED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(params)
+        return compiled
+
+    def _matcher(self, params: StructuredOutputsParams) -> Any | None:
+        try:
+            compiled = self.compile(params)  # compiled when the request was prepared, normally
+        except ValueError as e:  # checked at the API already; a worker never crashes on it
+            logger.error("%s (%s)", e, params)
+            return None
         return self._xgr.GrammarMatcher(compiled)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
