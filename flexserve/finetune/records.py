@@ -9,6 +9,7 @@ from flexserve.finetune.store_schema import DEFAULT_TENANT
 
 JOB_STATUSES = ("validating_files", "queued", "running", "paused", "succeeded", "failed",
                 "cancelled")
+UNFINISHED_STATUSES = ("validating_files", "queued", "running", "paused")  # may still train
 EVENT_LEVELS = ("info", "warn", "error")
 EVENT_TYPES = ("message", "metrics")
 

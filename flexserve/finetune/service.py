@@ -52,23 +52,17 @@ import collections
 import functools
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexserve.engine.adapter_manager import AdapterNotFoundError
 from flexserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from flexserve.engine.finetune_capacity import FinetuneCapacityError
 from flexserve.finetune.adapters import (
-    checkpoint_model_name,
-    example_logprobs,
     fine_tuned_model_name,
     parse_job_model_name,
-    serve_checkpoint,
-    validation_dpo,
-    validation_loss,
 )
+from flexserve.finetune.checkpoint_publisher import CheckpointPublisher
 from flexserve.finetune.data import (
     TrainingData,
     TrainingExample,
@@ -85,7 +79,6 @@ from flexserve.finetune.store import StateStore
 logger = logging.getLogger(__name__)
 
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
-UNFINISHED_STATUSES = ("validating_files", "queued", "running", "paused")
 DEFAULT_KEEP_CHECKPOINTS = 3
 _CAPACITY_RETRY_S = 0.5  # a job that found no fine-tuning slot or memory tries again after this
 
@@ -171,8 +164,8 @@ class FinetuneService:
         self._pausing = False  # graceful shutdown: jobs stop at their next step boundary
         self._paused_ids: set[str] = set()  # engine thread: jobs paused on the engine
         self._job_tenants: dict[str, str | None] = {}  # job id -> tenant (None: no such job)
-        self._newest_checkpoint: dict[str, str] = {}  # job id -> its newest checkpoint's name
-        self._explicit_models: set[str] = set()  # job checkpoints a client loaded by name
+        self.checkpoints = CheckpointPublisher(engine, self.store, base_model,
+                                               config.keep_checkpoints)
         engine.add_finetune_listener(self._on_updates)
 
     @property
@@ -190,7 +183,7 @@ class FinetuneService:
         unloaded = await asyncio.to_thread(self.store.unloaded_models)
         for job in jobs:
             if job.adapter_path is not None and self.engine.lora_enabled:
-                await self._serve_recorded_checkpoints(job, unloaded)
+                await self.checkpoints.serve_recorded(job, unloaded)
         resumed = [job.id for job in jobs if job.status == "running"]
         queued = [job.id for job in jobs if job.status in ("queued", "validating_files")]
         if (resumed or queued) and not self.engine.lora_enabled:
@@ -304,22 +297,22 @@ class FinetuneService:
         """Whether `/v1/models` lists a served name: all but a job's older checkpoints (those
         serve by name unless a client loaded them explicitly)."""
         parsed = parse_job_model_name(self.base_model, name)
-        if parsed is None or parsed[1] is None or name in self._explicit_models:
+        if parsed is None or parsed[1] is None or name in self.checkpoints.explicit_models:
             return True
-        return self._newest_checkpoint.get(parsed[0]) == name
+        return self.checkpoints.newest.get(parsed[0]) == name
 
     async def model_loaded(self, name: str) -> None:
         """A client loaded `name`: listed, and served again after a restart."""
         parsed = parse_job_model_name(self.base_model, name)
         if parsed is not None:
-            self._explicit_models.add(name)
+            self.checkpoints.explicit_models.add(name)
             await asyncio.to_thread(self.store.set_model_unloaded, name, parsed[0], False)
 
     async def model_unloaded(self, name: str) -> None:
         """A client unloaded `name`: a restart does not serve it again."""
         parsed = parse_job_model_name(self.base_model, name)
         if parsed is not None:
-            self._explicit_models.discard(name)
+            self.checkpoints.explicit_models.discard(name)
             await asyncio.to_thread(self.store.set_model_unloaded, name, parsed[0], True)
 
     # --- graceful shutdown (entrypoints/shutdown.py) ---
@@ -476,25 +469,12 @@ class FinetuneService:
                      and (active.paused is not None or active.user_pause is not None))
             if update.kind == "step" and (update.step % self.config.checkpoint_every_steps == 0
                                           or update.step == update.num_steps or pause):
-                item.checkpoint_path, item.error = self._save_checkpoint(update)
+                item.checkpoint_path, item.error = self.checkpoints.save(update)
             if pause and item.error is None:
                 item.pause = True
                 self._paused_ids.add(update.job_id)
                 self.engine.engine.cancel_finetune_job(update.job_id)  # frees its KV at once
             loop.call_soon_threadsafe(active.items.put_nowait, item)
-
-    def _save_checkpoint(self, update: Any) -> tuple[str | None, dict | None]:
-        path = self.store.checkpoint_dir(update.job_id, update.step)
-        llm = self.engine.engine
-        try:  # atomic: a checkpoint left there by a crash before its record is replaced
-            llm.save_finetune_checkpoint(update.job_id, path)
-            return path, None
-        except Exception as e:  # a full disk fails this job, not the engine
-            logger.exception("cannot save the checkpoint of %s at step %d", update.job_id,
-                             update.step)
-            llm.cancel_finetune_job(update.job_id)
-            return None, {"code": "checkpoint_failed", "param": None,
-                          "message": f"cannot save the checkpoint at step {update.step}: {e}"}
 
     # --------------------------------------------------------------------- event-loop side
     async def _consume(self, job_id: str, active: _ActiveJob) -> None:
@@ -555,7 +535,7 @@ class FinetuneService:
             await asyncio.to_thread(self.store.add_event, job_id, message, "info", "metrics",
                                     data)
         if item.checkpoint_path is not None:
-            await self._publish_checkpoint(job_id, active, update, item.checkpoint_path)
+            await self.checkpoints.publish(job_id, active, update, item.checkpoint_path)
 
     @staticmethod
     def _estimate_finish(active: _ActiveJob, num_trained_tokens: int) -> None:
@@ -569,106 +549,6 @@ class FinetuneService:
             rate = (num_trained_tokens - start_tokens) / (now - start)
             remaining = max(active.num_total_tokens - num_trained_tokens, 0)
             active.estimated_finish = int(now + remaining / rate)
-
-    async def _publish_checkpoint(self, job_id: str, active: _ActiveJob, update: Any,
-                                  path: str) -> None:
-        name = checkpoint_model_name(active.fine_tuned_model, update.step)
-        await serve_checkpoint(self.engine, name, active.fine_tuned_model, path)
-        metrics: dict[str, Any] = {"step": update.step, "train_loss": update.loss}
-        if update.accuracy is not None:
-            metrics["train_mean_token_accuracy"] = update.accuracy
-        if update.dpo is not None:
-            metrics.update(metric_fields(update.dpo, "train"))
-            if active.validation:
-                valid = await self._validation_dpo(job_id, active, name)
-                metrics.update(valid)
-                await asyncio.to_thread(
-                    self.store.add_event, job_id,
-                    f"Step {update.step}/{update.num_steps}: validation loss="
-                    f"{valid['valid_loss']:.4f}, reward margin={valid['valid_reward_margin']:.4f}"
-                    f", preference accuracy={valid['valid_preference_accuracy']:.4f}",
-                    "info", "metrics", {"step": update.step, "total_steps": update.num_steps,
-                                        **valid})
-        elif active.validation:
-            valid_loss = await validation_loss(self.engine, name, active.validation,
-                                               active.record.tenant)
-            metrics["valid_loss"] = valid_loss
-            await asyncio.to_thread(
-                self.store.add_event, job_id,
-                f"Step {update.step}/{update.num_steps}: validation loss={valid_loss:.4f}",
-                "info", "metrics", {"step": update.step, "valid_loss": valid_loss,
-                                    "total_steps": update.num_steps})
-        await asyncio.to_thread(self._record_checkpoint, job_id, active, update, metrics, name,
-                                path)
-        self._newest_checkpoint[job_id] = name
-        await self._apply_retention(job_id)
-
-    async def _validation_dpo(self, job_id: str, active: _ActiveJob, name: str
-                              ) -> dict[str, float]:
-        """valid_loss and the valid_ reward fields of a DPO checkpoint served as `name`. The
-        reference log-probabilities come first, once per run of the job: under the base model,
-        or under its initial adapter served for that pass alone."""
-        hp = Hyperparameters.from_dict(active.record.hyperparameters)
-        tenant = active.record.tenant
-        if active.reference_logprobs is None:
-            init = hp.lora.init_adapter
-            reference_name = None if init is None else f"{job_id}:reference"
-            if reference_name is not None:
-                await self.engine.add_lora(reference_name, init)
-            try:
-                active.reference_logprobs = await example_logprobs(
-                    self.engine, reference_name, active.validation, tenant)
-            finally:
-                if reference_name is not None:
-                    await self.engine.remove_lora(reference_name)
-        mean = await validation_dpo(self.engine, name, active.validation,
-                                    active.reference_logprobs, hp.beta, tenant)
-        return {"valid_loss": mean["loss"], **metric_fields(mean, "valid")}
-
-    async def _apply_retention(self, job_id: str) -> None:
-        """Delete the job's checkpoints past the newest `keep_checkpoints` that nothing uses."""
-        kept = await asyncio.to_thread(self.store.kept_checkpoints, job_id)
-        if len(kept) <= self.config.keep_checkpoints:
-            return
-        unfinished = await asyncio.to_thread(self.store.jobs_with_status, *UNFINISHED_STATUSES)
-        starts = {(job.lora or {}).get("init_adapter") for job in unfinished}
-        for checkpoint in kept[self.config.keep_checkpoints:]:
-            if checkpoint.path in starts:
-                continue
-            retired = await self.engine.call(_retire_on_engine, self.engine.engine,
-                                             checkpoint.fine_tuned_model_checkpoint,
-                                             checkpoint.path)
-            if not retired:
-                continue
-            self._explicit_models.discard(checkpoint.fine_tuned_model_checkpoint)
-            await asyncio.to_thread(shutil.rmtree, checkpoint.path, True)
-            await asyncio.to_thread(self.store.mark_checkpoint_deleted, checkpoint.id)
-
-    def _record_checkpoint(self, job_id: str, active: _ActiveJob, update: Any, metrics: dict,
-                           name: str, path: str) -> None:
-        self.store.add_checkpoint(job_id, update.step, metrics, name, path)
-        self.store.update_job(job_id, fine_tuned_model=active.fine_tuned_model, adapter_path=path,
-                              step=update.step, trained_tokens=update.num_trained_tokens)
-        self.store.add_event(job_id, f"Checkpoint created at step {update.step}: {name}",
-                             data={"step": update.step, "fine_tuned_model_checkpoint": name})
-
-    async def _serve_recorded_checkpoints(self, job: JobRecord, unloaded: set[str]) -> None:
-        fine_tuned_model = fine_tuned_model_name(self.base_model, job.suffix, job.id)
-        checkpoints = await asyncio.to_thread(self.store.kept_checkpoints, job.id)
-        if checkpoints:
-            self._newest_checkpoint[job.id] = checkpoints[0].fine_tuned_model_checkpoint
-        for checkpoint in checkpoints:  # newest first: it alone gets the job's name too
-            name = checkpoint.fine_tuned_model_checkpoint
-            job_name = (fine_tuned_model if checkpoint is checkpoints[0]
-                        and fine_tuned_model not in unloaded else None)
-            try:
-                if name not in unloaded:
-                    await serve_checkpoint(self.engine, name, job_name, checkpoint.path)
-                elif job_name is not None:
-                    await self.engine.add_lora(job_name, checkpoint.path)
-            except ValueError as e:  # e.g. the server now runs another base model
-                logger.error("cannot serve checkpoint %s again: %s",
-                             checkpoint.fine_tuned_model_checkpoint, e)
 
     # ------------------------------------------------------------------------------- status
     async def _set_status(self, job_id: str, status: str, message: str, level: str = "info",
@@ -745,20 +625,6 @@ def _cancel_on_engine(llm: Any, job_id: str) -> None:
     removed since the caller looked)."""
     if _engine_job(llm, job_id) is not None:
         llm.cancel_finetune_job(job_id)
-
-
-def _retire_on_engine(llm: Any, name: str, path: str) -> bool:
-    """Engine thread: stop serving checkpoint `name` (from `path`) unless a request uses that
-    directory or it is served under another name; True when its directory may be deleted."""
-    num_requests, names = llm.scheduler.adapter_manager.users_of_path(path)
-    if num_requests or names - {name}:
-        return False
-    if name in names:
-        try:
-            llm.remove_lora(name)
-        except AdapterNotFoundError:
-            pass
-    return True
 
 
 def _remove_from_engine(llm: Any, job_id: str) -> None:

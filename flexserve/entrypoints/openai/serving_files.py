@@ -24,7 +24,8 @@ from flexserve.entrypoints.openai.protocol_finetune import (
 )
 from flexserve.entrypoints.openai.serving_base import json_response
 from flexserve.finetune.data import load_training_data
-from flexserve.finetune.service import UNFINISHED_STATUSES, FinetuneService
+from flexserve.finetune.records import UNFINISHED_STATUSES
+from flexserve.finetune.service import FinetuneService
 
 MAX_LIST_LIMIT = 10000  # OpenAI's bound on `limit` of GET /v1/files
 
