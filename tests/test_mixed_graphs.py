@@ -93,9 +93,9 @@ def _setup(tiny_config, tiny_checkpoint, tmp_path, targets=TARGETS):
     return model_dir, adapter_dir, examples, data, hp
 
 
-def _llm(model_dir, graphs: bool) -> LLM:
+def _llm(model_dir, graphs: bool, max_num_batched_tokens: int = 16) -> LLM:
     llm = LLM(model_dir, device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8,
-              max_model_len=64, max_num_batched_tokens=16)
+              max_model_len=64, max_num_batched_tokens=max_num_batched_tokens)
     if graphs:
         llm.engine.executor.enable_mixed_graphs(64)
         llm.engine.executor.mixed_graphs.precapture()  # as the CUDA start-up does
@@ -159,10 +159,11 @@ def test_padded_forward_generates_what_the_eager_path_generates(tiny_config, tin
     assert outputs[True] == outputs[False]
 
 
-def _train(model_dir, adapter_dir, data, hp, out: str) -> dict:
+def _train(model_dir, adapter_dir, data, hp, out: str, max_num_batched_tokens: int = 16
+           ) -> dict:
     from safetensors.torch import load_file
 
-    llm = _llm(model_dir, graphs=True)
+    llm = _llm(model_dir, graphs=True, max_num_batched_tokens=max_num_batched_tokens)
     engine = llm.engine
     job = engine.add_finetune_job(data, hp, init_adapter_path=adapter_dir)
     for i, prompt in enumerate(([5, 6, 7], [9] * 11, [3] * 5)):
@@ -189,6 +190,7 @@ def test_backward_pieces_train_what_eager_windows_train(targets, tiny_config, ti
     eager, by_eager = _train(model_dir, adapter_dir, data, hp, str(tmp_path / "eager"))
     assert by_pieces["eager"] == 0 and by_pieces["graphs"] > 0
     assert by_eager["graphs"] == 0 and by_eager["eager"] == by_pieces["graphs"]
+    assert by_eager["together"] == 0
     assert pieces.keys() == eager.keys()
     for key in pieces:
         scale = eager[key].abs().max().item()
@@ -207,11 +209,45 @@ def test_backward_buffers_pad_and_clear_the_tail():
     b.load_window(base=10, start=4, n=5, bucket=8, residual=torch.ones(5, 3))
     assert b.index.tolist() == [10, 11, 12, 13, 14, 14, 14, 14]  # padding repeats the last row
     assert b.positions.tolist() == [4, 5, 6, 7, 8, 8, 8, 8]
-    b.load_gradient("q", torch.ones(5, 2, dtype=torch.bfloat16), 5)
+    b.load_gradient("q", torch.ones(5, 2, dtype=torch.bfloat16), 0, 5)
     b.load_window(base=0, start=0, n=3, bucket=4, residual=torch.full((3, 3), 2.0))
-    b.load_gradient("q", torch.full((3, 2), 2.0), 3)
+    b.load_gradient("q", torch.full((3, 2), 2.0), 0, 3)
     # rows 3-4 held the longer window's values: zeroed, so padding rows read zero gradients
     assert b.rows[:, 0].tolist() == [2, 2, 2, 0, 0, 0, 0, 0]
     assert b.grad("q", 2)[:, 1].tolist() == [2, 2, 2, 0, 0, 0, 0, 0]
+    # windows of two sequences stacked: each at its arena rows and positions
+    b.load_windows([(20, 6, torch.full((2, 3), 3.0)), (40, 0, torch.full((3, 3), 4.0))], 8)
+    assert b.index.tolist() == [20, 21, 40, 41, 42, 42, 42, 42]
+    assert b.positions.tolist() == [6, 7, 0, 1, 2, 2, 2, 2]
+    assert b.rows[:, 0].tolist() == [3, 3, 4, 4, 4, 0, 0, 0]
+    b.load_gradient("q", torch.full((2, 2), 3.0), 0, 5)
+    b.load_gradient("q", torch.full((3, 2), 4.0), 2, 5)
+    assert b.grad("q", 2)[:, 0].tolist() == [3, 3, 4, 4, 4, 0, 0, 0]
     with pytest.raises(ValueError, match="wide"):
         b.grad("q", 3)
+
+
+def test_backward_windows_of_several_sequences_run_together(tiny_config, tiny_checkpoint,
+                                                            tmp_path, monkeypatch):
+    """Sequences of a step go through their backward in lockstep, and the windows of one layer
+    on several sequences run as one (rows stacked; attention per sequence): the adapter equals
+    the one of windows run one by one (eagerly), to fp32 rounding."""
+    from flexserve.worker.finetune.runner import FinetuneRunner
+
+    model_dir, adapter_dir, _, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for i, n in enumerate((9, 12, 7, 10, 11, 8)):
+        ids = torch.randint(0, 256, (n,), generator=g).tolist()
+        examples.append(TrainingExample(i + 1, ids, [False] + [True] * (n - 1)))
+    data = TrainingData("text", examples, [], sum(len(e.input_ids) for e in examples),
+                        sum(sum(e.loss_mask) for e in examples))
+    hp = Hyperparameters.from_dict({**hp.to_dict(), "batch_size": 3})
+    together, by_together = _train(model_dir, adapter_dir, data, hp, str(tmp_path / "t"), 256)
+    monkeypatch.setattr(FinetuneRunner, "_backward_graphs", lambda self, job: None)
+    alone, by_alone = _train(model_dir, adapter_dir, data, hp, str(tmp_path / "a"), 256)
+    assert by_together["together"] > 0, by_together
+    assert by_alone["together"] == 0 and by_alone["eager"] == by_together["graphs"]
+    for key in together:
+        scale = alone[key].abs().max().item()
+        assert (together[key] - alone[key]).abs().max().item() <= 1e-6 * scale, key

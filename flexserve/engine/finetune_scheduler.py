@@ -386,9 +386,13 @@ class FinetuneScheduler:
                     seq.backward_layer, seq.backward_end = self.num_layers - 1, seq.length
                 # a DPO side waits for its pair's coefficient (`_start_pair_backward`)
             return n, False
-        for seq in job.running:
-            if seq.done or seq.backward_layer < 0 or (job.job_id, seq.sequence_id) in forwarded:
-                continue
+        # Sequences in their backward move in lockstep: the one furthest behind (highest layer,
+        # then most of its layer left) goes next, so windows of one layer on several sequences
+        # follow each other in the plan and the worker runs them as one.
+        behind = sorted((s for s in job.running if not s.done and s.backward_layer >= 0
+                         and (job.job_id, s.sequence_id) not in forwarded),
+                        key=lambda s: (-s.backward_layer, -s.backward_end))
+        for seq in behind:
             n = sizer.backward(seq.backward_end, seq.backward_end)
             if n <= 0:
                 continue

@@ -87,21 +87,33 @@ class BackwardBuffers:
             raise ValueError(f"static gradient {name!r} is [{t.shape[1]}] wide, not [{width}]")
         return t
 
+    def load_windows(self, windows: list[tuple[int, int, torch.Tensor]], bucket: int) -> None:
+        """Inputs of windows (arena row, position, residual rows) stacked in order from row 0,
+        padded to `bucket` rows (padding repeats the last row's index and position)."""
+        offset = 0
+        for base, start, residual in windows:
+            n = residual.shape[0]
+            arange = self._arange[:n]
+            torch.add(arange, base, out=self.index[offset:offset + n])
+            torch.add(arange, start, out=self.positions[offset:offset + n])
+            self.rows[offset:offset + n].copy_(residual)
+            offset += n
+        self.index[offset:bucket] = self.index[offset - 1]
+        self.positions[offset:bucket] = self.positions[offset - 1]
+        self._zero_tail("rows", self.rows, offset)
+
     def load_window(self, base: int, start: int, n: int, bucket: int,
                     residual: torch.Tensor) -> None:
-        """Inputs of a window of `n` rows at arena row `base` and position `start`, padded to
-        `bucket` rows."""
-        last = self._arange[:bucket].clamp(max=n - 1)
-        torch.add(last, base, out=self.index[:bucket])
-        torch.add(last, start, out=self.positions[:bucket])
-        self.rows[:n].copy_(residual)
-        self._zero_tail("rows", self.rows, n)
+        """Inputs of one window of `n` rows at arena row `base` and position `start`."""
+        self.load_windows([(base, start, residual[:n])], bucket)
 
-    def load_gradient(self, name: str, value: torch.Tensor, n: int) -> None:
-        """Rows [0, n) of static gradient `name` from `value` (widened to fp32, exactly)."""
+    def load_gradient(self, name: str, value: torch.Tensor, offset: int, total: int) -> None:
+        """Rows [offset, offset + len(value)) of static gradient `name` from `value` (widened to
+        fp32, exactly), in a load of windows of `total` rows."""
         t = self._grads[name]
-        t[:n].copy_(value)
-        self._zero_tail(name, t, n)
+        t[offset:offset + value.shape[0]].copy_(value)
+        if offset + value.shape[0] == total:
+            self._zero_tail(name, t, total)
 
     def clear(self) -> None:
         """Zero every buffer (before an eager warm-up that must add nothing)."""
@@ -204,19 +216,37 @@ class BackwardGraphs:
 
     def run(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
         """Backward window [start, end) of `layer` of `owner`'s sequence (`runs` said yes)."""
-        n, bucket, b = end - start, self.bucket(end - start), self.buffers
-        b.load_window(owner.store.arena_base + start, start, n, bucket,
-                      owner.residual_grad[start:end])
+        self.run_many(layer, [(owner, start, end)])
+
+    def run_many(self, layer: int, windows: list[tuple[SequenceBackward, int, int]]) -> None:
+        """Backward windows (owner, start, end) of `layer` of several of the job's sequences as
+        one: their rows stacked, the pieces' row-wise work (MLP, projections, norms, rope and
+        every GEMM with the frozen weights) run once over all of them, the attention of each
+        window on its own sequence; the LoRA gradients add up over the rows as over the windows
+        one by one. Every window must be one `runs` accepts, their rows together one bucket."""
+        total = sum(end - start for _, start, end in windows)
+        bucket, b = self.bucket(total), self.buffers
+        b.load_windows([(owner.store.arena_base + start, start, owner.residual_grad[start:end])
+                        for owner, start, end in windows], bucket)
+
+        def attend() -> None:
+            offset = 0
+            for owner, start, end in windows:
+                self._attend(owner, layer, start, end, offset, total)
+                offset += end - start
+
         if self.use_graphs:
             graphs = self._graphs[(layer, bucket)]
             graphs.top.replay()
-            self._attend(owner, layer, start, end)
+            attend()
             if graphs.bottom is not None:
                 graphs.bottom.replay()
         else:
-            self._pieces(layer, bucket, eager=True,
-                         between=lambda: self._attend(owner, layer, start, end))
-        owner.residual_grad[start:end].copy_(b.rows[:n])
+            self._pieces(layer, bucket, eager=True, between=attend)
+        offset = 0
+        for owner, start, end in windows:
+            owner.residual_grad[start:end].copy_(b.rows[offset:offset + end - start])
+            offset += end - start
 
     def _has_bottom(self, layer: int) -> bool:
         """Whether the bottom piece does anything: attention's output or the layer's input
@@ -224,14 +254,15 @@ class BackwardGraphs:
         return any(self.template.needs_gradient(layer, name)
                    for name in (self._attention.outputs[0], "x"))
 
-    def _attend(self, owner: SequenceBackward, layer: int, start: int, end: int) -> None:
+    def _attend(self, owner: SequenceBackward, layer: int, start: int, end: int, offset: int,
+                total: int) -> None:
         b, n = self.buffers, end - start
         out = self._attention.outputs[0]
         if not owner.needs_gradient(layer, out):
             return  # nothing below attention trains in this layer: its backward is skipped
-        grad = b.grad(out, self._widths[out])[:n]
+        grad = b.grad(out, self._widths[out])[offset:offset + n]
         for name, value in owner.attention_gradients(layer, start, end, grad).items():
-            b.load_gradient(name, value, n)
+            b.load_gradient(name, value, offset, total)
 
     def _pieces(self, layer: int, bucket: int, eager: bool,
                 graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None,

@@ -268,6 +268,19 @@ class SequenceBackward:
         """Backward of positions [start, end) of `layer`. Layers from the top, windows from the
         end of the sequence to its start; ValueError for any other order. True when it ran as
         `graphs`' pieces, False when eagerly."""
+        self.begin_window(layer, start, end)
+        with torch.no_grad():
+            pieces = self.graphs is not None and self.graphs.runs(self, layer, end - start)
+            if pieces:
+                self.graphs.run(self, layer, start, end)
+            else:
+                self._run_window(_Window(self, layer, start, end))
+        self.end_window(layer, start)
+        return pieces
+
+    def begin_window(self, layer: int, start: int, end: int) -> None:
+        """Check that [start, end) of `layer` is this sequence's next backward window
+        (ValueError otherwise) and bring its stored rows back if they were offloaded."""
         if self.done:
             raise ValueError("the backward of this sequence is complete")
         if self.store.num_forward_tokens != self.num_tokens:
@@ -280,12 +293,10 @@ class SequenceBackward:
             raise ValueError(f"backward window [{start}, {end}) of layer {layer} is out of order: "
                              f"the next one ends at {self.window_end} and is not empty")
         self.store.prepare_layer(layer)  # offloaded rows come back (the next ones start to)
-        with torch.no_grad():
-            pieces = self.graphs is not None and self.graphs.runs(self, layer, end - start)
-            if pieces:
-                self.graphs.run(self, layer, start, end)
-            else:
-                self._run_window(_Window(self, layer, start, end))
+
+    def end_window(self, layer: int, start: int) -> None:
+        """After the window that starts at `start` ran: the next one ends there, or, at the
+        layer's first token, the layer's state goes and the layer below is next."""
         self.window_end = start
         if start == 0:
             self.key_grad[:self.num_tokens].zero_()
@@ -293,7 +304,6 @@ class SequenceBackward:
             self.store.free_layer(layer)
             self.layer -= 1
             self.window_end = self.num_tokens
-        return pieces
 
     def cached_kv(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K (after rope) and V of positions [0, end) from the paged cache: [end, KV, D] each."""

@@ -199,7 +199,8 @@ class FinetuneRunner:
         self._faults: dict[str, str] = {}  # job id -> fault to inject into its next work
         # Static buffers and graph memory of the jobs' captured backward windows (with an arena)
         self._backward_buffers: BackwardBuffers | None = None
-        self.num_backward_windows = {"graphs": 0, "eager": 0}  # by how they ran (tests, metrics)
+        # by how they ran (tests, metrics); "together": those run with others as one
+        self.num_backward_windows = {"graphs": 0, "eager": 0, "together": 0}
         self._backward_pool: Any = None
 
     def inject_fault(self, job_id: str, kind: str) -> None:
@@ -510,21 +511,69 @@ class FinetuneRunner:
             seq = self._sequence(job_id, sequence_id)
             if seq is not None and seq.backward is not None and job_id not in errors:
                 seq.backward.residual_grad.mul_(factor)
+        for group in self._backward_groups(windows, errors):
+            job_id = group[0][0].job_id
+            if job_id in errors:
+                continue
+            try:
+                if self._take_fault(job_id, ("oom",)):
+                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
+                if len(group) == 1:
+                    window, seq = group[0]
+                    graphed = seq.backward.backward_window(window.layer, window.start,
+                                                           window.end)
+                    self.num_backward_windows["graphs" if graphed else "eager"] += 1
+                else:
+                    self._backward_together(group)
+                if self._take_fault(job_id, ("nan_grad",)):
+                    for grad in self.jobs[job_id].optimizer.grads.values():
+                        grad.fill_(float("nan"))
+            except Exception as e:  # this job's failure (OOM included), never the engine's
+                self._fail(job_id, e, errors, "a backward window")
+        self._count_bytes()
+
+    def _backward_groups(self, windows: list[BackwardWindow], errors: dict[str, str]
+                         ) -> list[list[tuple[BackwardWindow, _Sequence]]]:
+        """The plan's backward windows in order, consecutive windows of one job and layer on
+        distinct sequences grouped (their rows together within the job's largest graph
+        bucket), so they run as one (`BackwardGraphs.run_many`); a sequence's windows keep
+        their order (a second window of a sequence starts a new group)."""
+        groups: list[list[tuple[BackwardWindow, _Sequence]]] = []
+        open_key, open_rows, open_ids = None, 0, set()  # the group windows may still join
         for window in windows:
             seq = self._sequence(window.job_id, window.sequence_id)
             if seq is None or window.job_id in errors:
                 continue
-            try:
-                if self._take_fault(window.job_id, ("oom",)):
-                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
-                graphed = seq.backward.backward_window(window.layer, window.start, window.end)
-                self.num_backward_windows["graphs" if graphed else "eager"] += 1
-                if self._take_fault(window.job_id, ("nan_grad",)):
-                    for grad in self.jobs[window.job_id].optimizer.grads.values():
-                        grad.fill_(float("nan"))
-            except Exception as e:  # this job's failure (OOM included), never the engine's
-                self._fail(window.job_id, e, errors, "a backward window")
-        self._count_bytes()
+            n = window.end - window.start
+            graphs = seq.backward.graphs
+            if graphs is None or not graphs.runs(seq.backward, window.layer, n):
+                groups.append([(window, seq)])
+                open_key = None
+                continue
+            key = (id(graphs), window.layer)
+            if (key == open_key and window.sequence_id not in open_ids
+                    and open_rows + n <= graphs.buckets[-1]):
+                groups[-1].append((window, seq))
+                open_rows += n
+            else:
+                groups.append([(window, seq)])
+                open_key, open_rows = key, n
+                open_ids = set()
+            open_ids.add(window.sequence_id)
+        return groups
+
+    def _backward_together(self, group: list[tuple[BackwardWindow, _Sequence]]) -> None:
+        """Windows of one job and layer on several sequences, as one window of their rows."""
+        layer = group[0][0].layer
+        for window, seq in group:
+            seq.backward.begin_window(layer, window.start, window.end)
+        with torch.no_grad():
+            group[0][1].backward.graphs.run_many(
+                layer, [(seq.backward, window.start, window.end) for window, seq in group])
+        for window, seq in group:
+            seq.backward.end_window(layer, window.start)
+        self.num_backward_windows["graphs"] += len(group)  # the pieces (CUDA graphs on CUDA)
+        self.num_backward_windows["together"] += len(group)
 
     def optimizer_steps(self, job_ids: list[str], grad_norms: dict[str, float],
                         errors: dict[str, str]) -> None:
