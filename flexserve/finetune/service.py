@@ -260,7 +260,10 @@ class FinetuneService:
         return await asyncio.to_thread(self.store.get_job, job_id)
 
     async def resume(self, job_id: str) -> JobRecord:
-        """Queue a paused job again: it continues from its pause checkpoint."""
+        """Queue a paused job again: it continues from its pause checkpoint. The metrics file
+        written at the pause goes: the job's final one replaces it when it ends, and until then
+        `result_files` names nothing about to disappear."""
+        await asyncio.to_thread(self._drop_results, job_id)
         await self._set_status(job_id, "queued", "Fine-tuning job resumed: queued.")
         self._queue.append(job_id)
         self._pump()
@@ -594,6 +597,13 @@ class FinetuneService:
             logger.exception("cannot write the result file of fine-tuning job %s", job_id)
         if not active.done.done():
             active.done.set_result(None)
+
+    def _drop_results(self, job_id: str) -> None:
+        job = self.store.get_job(job_id)
+        if job.result_files:
+            self.store.update_job(job_id, result_files=[])
+            for old in job.result_files:
+                self.store.delete_file(old)
 
     def _write_results(self, job_id: str) -> None:
         """Store the job's per-step metrics CSV as a file of its tenant, replacing an older
