@@ -491,3 +491,18 @@ def test_jobs_share_bins_within_capacity_and_each_step_covers_exactly_its_batch(
         assert steps_done[state.job_id] == state.num_steps
         assert sorted(started[state.job_id]) == list(range(len(state.sequences)))
     assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_a_jobs_sequences_go_down_the_layers_in_lockstep():
+    """Backward windows of one job's sequences in a plan pair up layer by layer (the worker runs
+    each layer's pair as one window), within the same budget."""
+    ft = finetune_only()
+    ft.add_job(job("a", [10, 6], [[0, 1]], pack_capacity=16))
+    first = step(ft, 32)
+    assert [(w.sequence_id, w.end) for w in first.finetune_windows] == [(0, 10), (1, 6)]
+    plans = [step(ft, 32) for _ in range(2)]
+    windows = [[(w.sequence_id, w.layer, w.start, w.end) for w in p.backward_windows]
+               for p in plans]
+    assert windows == [[(0, 2, 0, 10), (1, 2, 0, 6), (0, 1, 0, 10), (1, 1, 0, 6)],
+                       [(0, 0, 0, 10), (1, 0, 0, 6)]]
+    assert plans[1].optimizer_steps == ["a"]
