@@ -389,6 +389,12 @@ class LLMEngine:
         called right then, before the next `step()`."""
         return self.scheduler.finetune.pop_updates()
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, where it has any."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def prepare_thread(self) -> None:
         """Per-thread start-up of the executor for the thread that will run `step` when that is
         not the one that built the engine (the server's engine thread), where it has one."""
