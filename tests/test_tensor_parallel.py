@@ -7,6 +7,7 @@ whose collectives meet at a barrier: the same shards and sums as torch.distribut
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ import torch
 
 from flexserve.config import EngineConfig, LoRAConfig, ParallelConfig
 from flexserve.distributed.parallel_state import TensorParallelGroup
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.entrypoints.llm import LLM
 from flexserve.layers.attention import AttentionMetadata
 from flexserve.layers.forward_context import set_forward_context
@@ -239,29 +241,53 @@ def test_tp2_greedy_matches_one_process(tiny_tp_checkpoint):
         assert greedy_tokens(llm, PROMPTS) == want
         # Again: the shared prefix now comes from the cache.
         assert greedy_tokens(llm, PROMPTS[1:2]) == want[1:2]
+        with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+            llm.add_lora(LoRARequest("a", 1, "/nonexistent"))
     finally:
         llm.shutdown()
     assert all(not p.is_alive() for p in llm.engine.executor.processes)
 
 
 def test_killed_worker_makes_the_step_raise(tiny_tp_checkpoint):
+    """The server's engine: a rank killed between steps ends the engine (unhealthy: 503)
+    within a step, and the executor refuses every later step."""
+    from flexserve.config import CacheConfig, ModelConfig, SchedulerConfig
+    from flexserve.engine.async_engine import EngineDeadError
+    from flexserve.entrypoints.engine_builder import build_async_engine
     from flexserve.worker.mp_executor import WorkerDiedError
 
-    llm = LLM(tiny_tp_checkpoint, tensor_parallel_size=2, **ENGINE)
+    config = EngineConfig(
+        model=ModelConfig(model=tiny_tp_checkpoint),
+        cache=CacheConfig(num_blocks=64, block_size=BLOCK_SIZE),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8),
+        parallel=ParallelConfig(tensor_parallel_size=2))
+    engine = build_async_engine(config)
+    executor = engine.engine.executor
+    engine.start()
+
+    async def generate(request_id: str) -> list[int]:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        prepared = engine.prepare(request_id, PROMPTS[0], params)
+        async for output in engine.generate(prepared):
+            tokens = output.outputs[0].token_ids
+        return tokens
+
     try:
-        assert greedy_tokens(llm, PROMPTS[2:], max_tokens=2)
-        victim = llm.engine.executor.processes[1]
+        assert len(asyncio.run(generate("a"))) == 4
+        assert engine.is_healthy
+        victim = executor.processes[1]
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="rank 1"):
-            greedy_tokens(llm, PROMPTS[:1])
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            asyncio.run(generate("b"))
         assert time.monotonic() - start < 30
-        assert all(not p.is_alive() for p in llm.engine.executor.processes)
-        with pytest.raises(WorkerDiedError):  # and every later step
-            llm.engine.executor.execute(None)
+        assert not engine.is_healthy
+        assert all(not p.is_alive() for p in executor.processes)
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            executor.execute(None)
     finally:
-        llm.shutdown()
+        engine.shutdown()
 
 
 @pytest.mark.slow
@@ -274,5 +300,7 @@ def test_tp3_smollm2_greedy_matches_one_process(smollm2_dir):
     llm = LLM(smollm2_dir, tensor_parallel_size=3, **engine)
     try:
         assert greedy_tokens(llm, prompts, 12) == want
+        with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+            llm.finetune([{"text": "Paris is the capital of France."}])
     finally:
         llm.shutdown()

@@ -495,6 +495,10 @@ class LLMEngine:
     def _adapters(self) -> AdapterManager:
         adapters = self.scheduler.adapter_manager
         if adapters is None:
+            if self.config.parallel.tensor_parallel_size > 1:
+                raise ValueError("LoRA adapters and fine-tuning are not supported under tensor "
+                                 "parallelism yet (this engine runs tensor_parallel_size "
+                                 f"{self.config.parallel.tensor_parallel_size})")
             raise ValueError("LoRA is not enabled in this engine (it was built with "
                              "enable_lora=False / --no-enable-lora)")
         return adapters
