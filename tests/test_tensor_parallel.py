@@ -18,7 +18,11 @@ import pytest
 import torch
 
 from flexserve.config import EngineConfig, LoRAConfig, ParallelConfig
-from flexserve.distributed.parallel_state import TensorParallelGroup
+from flexserve.distributed.parallel_state import (
+    TensorParallelGroup,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.entrypoints.llm import LLM
 from flexserve.layers.attention import AttentionMetadata
@@ -57,9 +61,6 @@ class ThreadGroup(TensorParallelGroup):
 
     def all_gather(self, x, dim=-1):
         return torch.cat(self._exchange(x), dim=dim)
-
-    def min_int(self, value):
-        return int(min(self._exchange(torch.tensor(value))))
 
 
 def thread_groups(world_size: int) -> list[ThreadGroup]:
@@ -211,6 +212,49 @@ def test_cli_options():
 
 
 # ------------------------------------------------------------------------ worker processes
+def _run_collectives(rank: int, world_size: int, init_method: str, results) -> None:
+    group = init_tensor_parallel(rank, world_size, init_method, "gloo")
+    try:
+        summed = group.all_reduce(torch.full((3,), float(rank + 1)))
+        gathered = group.all_gather(torch.full((2, 1), float(rank)), dim=-1)
+        results.put((rank, summed.tolist(), gathered.tolist(), group.min_int(10 - rank)))
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_collectives_over_gloo():
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_run_collectives, args=(r, 2, init_method, results))
+                 for r in range(2)]
+    for p in processes:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=60) for _ in processes)
+    finally:
+        for p in processes:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+    assert [rank for rank, *_ in got] == [0, 1]
+    for _, summed, gathered, smallest in got:
+        assert summed == [3.0, 3.0, 3.0]
+        assert gathered == [[0.0, 1.0], [0.0, 1.0]]
+        assert smallest == 9
+    # One rank: no process group, collectives return their input.
+    group = init_tensor_parallel(0, 1, "unused", "gloo")
+    x = torch.ones(2)
+    assert group.all_reduce(x) is x and group.all_gather(x) is x and group.min_int(4) == 4
+    assert not torch.distributed.is_initialized()
+    destroy_tensor_parallel()
+
+
 def greedy_tokens(llm: LLM, prompts, max_tokens: int = 10) -> list[list[int]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

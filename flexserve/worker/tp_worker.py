@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -47,6 +48,8 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
     """The worker process's main: replies `WorkerReady` (or `WorkerError`) once, then for every
     `BatchPlan` received the `StepResult` (rank 0) or None (other ranks), a `WorkerError` when
     the plan raised; stops at None or when the engine's end of the pipe closes."""
+    # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = _start(rank, world_size, init_method, config, resolved, max_model_len,
                         eos_token_id)
