@@ -107,27 +107,31 @@ TOKENS = [[3, 17, 42, 9, 100, 7, 7, 250, 31, 5, 6], [3, 17, 42, 9, 11, 12, 200]]
 # Prefill chunks of both rows, then a step of one-token rows.
 STEPS = [[5, 3], [4, 3], [1, 1], [1, 0]]
 
-# (config overrides, world size): KV heads split and replicated, biases of both kinds (the
-# row-parallel ones added by rank 0 only), a vocabulary that does not split evenly (padded
-# rows), a tied head.
+# (config overrides, world size, merged projections): KV heads split and replicated, biases of
+# both kinds (the row-parallel ones added by rank 0 only), a vocabulary that does not split
+# evenly (padded rows), a tied head, and the merged q/k/v and gate/up GEMMs of the GPU path.
 CASES = {
-    "llama-kv-split": (dict(model_type="llama", vocab_size=255), 2),
-    "llama-kv-replicated": (dict(model_type="llama", num_key_value_heads=1), 2),
+    "llama-kv-split": (dict(model_type="llama", vocab_size=255), 2, False),
+    "llama-kv-replicated": (dict(model_type="llama", num_key_value_heads=1), 2, False),
     "llama-biases-4-ranks": (dict(model_type="llama", attention_bias=True, mlp_bias=True,
-                                  num_key_value_heads=2, vocab_size=253), 4),
-    "qwen2-tied": (dict(model_type="qwen2", tie_word_embeddings=True, vocab_size=255), 2),
+                                  num_key_value_heads=2, vocab_size=253), 4, False),
+    "qwen2-tied": (dict(model_type="qwen2", tie_word_embeddings=True, vocab_size=255), 2, False),
+    "qwen2-merged": (dict(model_type="qwen2", num_key_value_heads=1), 2, True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sharded_model_matches_unsharded(case, tiny_config, tiny_checkpoint):
-    overrides, world_size = CASES[case]
+    overrides, world_size, merged = CASES[case]
     overrides = dict(overrides)
     config = tiny_config(overrides.pop("model_type"), **overrides)
     path = tiny_checkpoint(config)
     full = run_steps(load_rank(path, config, TensorParallelGroup()), TOKENS, STEPS)
     groups = thread_groups(world_size)
     models = [load_rank(path, config, g) for g in groups]
+    if merged:
+        for model in models:
+            model.merge_projections()
     with ThreadPoolExecutor(world_size) as pool:
         ranks = list(pool.map(lambda m: run_steps(m, TOKENS, STEPS), models))
     for logits in ranks:  # every rank holds the whole logits
