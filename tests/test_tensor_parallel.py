@@ -280,13 +280,22 @@ def tiny_tp_checkpoint(tiny_checkpoint):
     return tiny_checkpoint(make_tiny_config("llama", vocab_size=255), seed=3)
 
 
+def sampled_tokens(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
 def test_tp2_greedy_matches_one_process(tiny_tp_checkpoint):
-    want = greedy_tokens(LLM(tiny_tp_checkpoint, enable_lora=False, **ENGINE), PROMPTS)
+    one = LLM(tiny_tp_checkpoint, enable_lora=False, **ENGINE)
+    want, want_sampled = greedy_tokens(one, PROMPTS), sampled_tokens(one)
     llm = LLM(tiny_tp_checkpoint, tensor_parallel_size=2, distributed_executor_backend="mp",
               **ENGINE)
     try:
         assert llm.engine.info.num_blocks == 64
         assert greedy_tokens(llm, PROMPTS) == want
+        # Every rank samples the same tokens (the decode steps after the first feed each rank
+        # its own): seeded sampling gives what one process gives.
+        assert sampled_tokens(llm) == want_sampled
         # Again: the shared prefix now comes from the cache.
         assert greedy_tokens(llm, PROMPTS[1:2]) == want[1:2]
         with pytest.raises(ValueError, match="not supported under tensor parallelism"):

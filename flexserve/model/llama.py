@@ -18,6 +18,10 @@ Per-layer op graph (x: [T, hidden] residual stream; T tokens of any rows, no pad
 After the last layer: model.norm (rmsnorm), then lm_head (tied to embed_tokens when
 tie_word_embeddings). The residual adds are fused into the next rmsnorm call (`RMSNorm(x, res)`),
 with the same arithmetic as HF's separate adds.
+
+Under tensor parallelism every rank builds this graph over its shard (`tp_layout`): its heads and
+intermediate features, one all-reduce after o_proj and one after down_proj, a vocab-parallel
+embedding and lm_head.
 """
 
 from __future__ import annotations
