@@ -31,6 +31,7 @@ from flexserve.model.llama import LlamaForCausalLM
 from flexserve.model.loader import iter_safetensors
 from flexserve.model.tp_layout import check_tensor_parallel
 from flexserve.sampling_params import SamplingParams
+from flexserve.worker.mp_executor import WorkerDiedError
 
 BLOCK_SIZE = 4
 # fp32: the ranks' partial sums add in another order than one GEMM does.
@@ -300,9 +301,12 @@ def test_tp2_greedy_matches_one_process(tiny_tp_checkpoint):
         assert greedy_tokens(llm, PROMPTS[1:2]) == want[1:2]
         with pytest.raises(ValueError, match="not supported under tensor parallelism"):
             llm.add_lora(LoRARequest("a", 1, "/nonexistent"))
+        # A step that raises on the ranks stops them all and names the rank and its error.
+        with pytest.raises(WorkerDiedError, match="(?s)rank 0 failed.*AttributeError"):
+            llm.engine.executor.execute(object())
+        assert all(not p.is_alive() for p in llm.engine.executor.processes)
     finally:
         llm.shutdown()
-    assert all(not p.is_alive() for p in llm.engine.executor.processes)
 
 
 def test_killed_worker_makes_the_step_raise(tiny_tp_checkpoint):
@@ -311,7 +315,6 @@ def test_killed_worker_makes_the_step_raise(tiny_tp_checkpoint):
     from flexserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from flexserve.engine.async_engine import EngineDeadError
     from flexserve.entrypoints.engine_builder import build_async_engine
-    from flexserve.worker.mp_executor import WorkerDiedError
 
     config = EngineConfig(
         model=ModelConfig(model=tiny_tp_checkpoint),

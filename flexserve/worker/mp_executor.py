@@ -93,8 +93,8 @@ class MultiprocExecutor:
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send(plan)
-            except OSError as e:
-                self._fail(f"tensor-parallel rank {rank} cannot take the step ({e})")
+            except OSError:  # its end of the pipe closed: the process is exiting or gone
+                self._fail(self._exit_reason(rank))
         self._num_sent += 1
 
         def wait_result() -> StepResult:
@@ -143,20 +143,22 @@ class MultiprocExecutor:
                     try:
                         replies[rank] = conn.recv()
                     except EOFError:
-                        self._processes[rank].join(SHUTDOWN_TIMEOUT_S)
-                        self._fail(f"tensor-parallel rank {rank} closed its pipe (exit code "
-                                   f"{self._processes[rank].exitcode})")
+                        self._fail(self._exit_reason(rank))
                     del pending[rank]
             for sentinel in ready:
                 rank = sentinels.get(sentinel)
                 if rank is not None:
-                    process = self._processes[rank]
-                    self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited with "
-                               f"code {process.exitcode}")
+                    self._fail(self._exit_reason(rank))
         errors = [r for r in replies if isinstance(r, WorkerError)]
         if errors:
             self._fail(f"tensor-parallel rank {errors[0].rank} failed:\n{errors[0].message}")
         return replies
+
+    def _exit_reason(self, rank: int) -> str:
+        process = self._processes[rank]
+        process.join(SHUTDOWN_TIMEOUT_S)
+        return (f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                f"{process.exitcode}")
 
     def _check_alive(self) -> None:
         if self._error is not None:
