@@ -240,6 +240,30 @@ class CoserveConfig:
             raise ValueError(f"latency_profile {self.latency_profile!r} is not a file")
 
 
+_EXECUTOR_BACKENDS = ("mp",)
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """How many devices serve the model and what drives them."""
+
+    tensor_parallel_size: int = 1  # ranks each holding a shard of every layer (Megatron-LM)
+    # mp: one worker process per rank on this host; None: mp when tensor_parallel_size > 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use 'mp' "
+                             "(worker processes on one host)")
+        if backend is not None and backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{_EXECUTOR_BACKENDS}, got {backend!r}")
+        if backend is None and self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an engine needs; `max_model_len` is resolved from the checkpoint when loaded."""
@@ -251,4 +275,11 @@ class EngineConfig:
     # and `LLM` give a LoRAConfig unless told --no-enable-lora / enable_lora=False
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     coserve: CoserveConfig = field(default_factory=CoserveConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     disable_log_stats: bool = False  # periodic one-line stats in the log
+
+    def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size > 1 and self.lora is not None:
+            raise ValueError("LoRA (adapters and fine-tuning jobs) is not supported under "
+                             "tensor parallelism yet: turn it off (enable_lora=False / "
+                             "--no-enable-lora) or use tensor_parallel_size 1")

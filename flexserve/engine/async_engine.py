@@ -139,12 +139,13 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 30.0, reason: str | None = None) -> None:
-        """Stop the engine thread; in-flight requests fail with `EngineDeadError(reason)`."""
+        """Stop the engine thread, then the executor's worker processes (tensor parallelism);
+        in-flight requests fail with `EngineDeadError(reason)`."""
         thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
-        self._commands.put(("stop", reason))
-        thread.join(timeout)
+        if thread is not None and thread.is_alive():
+            self._commands.put(("stop", reason))
+            thread.join(timeout)
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------------------ requests
     def next_request_id(self, prefix: str = "req") -> str:

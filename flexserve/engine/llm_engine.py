@@ -389,6 +389,12 @@ class LLMEngine:
         called right then, before the next `step()`."""
         return self.scheduler.finetune.pop_updates()
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, where it has any."""
+        shutdown = getattr(self.executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     def prepare_thread(self) -> None:
         """Per-thread start-up of the executor for the thread that will run `step` when that is
         not the one that built the engine (the server's engine thread), where it has one."""
@@ -489,6 +495,10 @@ class LLMEngine:
     def _adapters(self) -> AdapterManager:
         adapters = self.scheduler.adapter_manager
         if adapters is None:
+            if self.config.parallel.tensor_parallel_size > 1:
+                raise ValueError("LoRA adapters and fine-tuning are not supported under tensor "
+                                 "parallelism yet (this engine runs tensor_parallel_size "
+                                 f"{self.config.parallel.tensor_parallel_size})")
             raise ValueError("LoRA is not enabled in this engine (it was built with "
                              "enable_lora=False / --no-enable-lora)")
         return adapters

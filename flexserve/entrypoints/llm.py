@@ -15,6 +15,7 @@ from flexserve.config import (
     FinetuneConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from flexserve.engine.adapter_manager import AdapterLoadError
@@ -33,23 +34,29 @@ class LLM:
     """Loads a model once and generates for batches of prompts with continuous batching.
 
     Keyword arguments are the fields of `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
-    `LoRAConfig`, `FinetuneConfig` and `CoserveConfig` (e.g. `dtype`, `max_model_len`,
-    `max_num_batched_tokens`, `num_blocks`, `kv_cache_gib`, `max_loras`, `max_lora_rank`,
-    `policy`, `slo_tpot_ms`). LoRA slots are on by default (`finetune` needs one per job, and
+    `LoRAConfig`, `FinetuneConfig`, `CoserveConfig` and `ParallelConfig` (e.g. `dtype`,
+    `max_model_len`, `max_num_batched_tokens`, `num_blocks`, `kv_cache_gib`, `max_loras`,
+    `max_lora_rank`, `policy`, `slo_tpot_ms`, `tensor_parallel_size`). LoRA slots are on by
+    default (`finetune` needs one per job, and
     `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters); a batch without
-    adapters runs only the base GEMMs. `enable_lora=False` allocates none. Offline there is no
+    adapters runs only the base GEMMs. `enable_lora=False` allocates none; with
+    `tensor_parallel_size` > 1 LoRA is off unless asked for (it is not supported there yet, so
+    asking is an error). `shutdown()` stops tensor-parallel workers. Offline there is no
     latency SLO unless `slo_tpot_ms` is given: fine-tuning windows then fill the token budget.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool = True,
+    def __init__(self, model: str = DEFAULT_MODEL, enable_lora: bool | None = None,
                  **kwargs: Any) -> None:
         sections = {}
         for cls in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig, FinetuneConfig,
-                    CoserveConfig):
+                    CoserveConfig, ParallelConfig):
             names = set(cls.__dataclass_fields__)
             sections[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if kwargs:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
+        parallel = ParallelConfig(**sections[ParallelConfig])
+        if enable_lora is None:
+            enable_lora = parallel.tensor_parallel_size == 1 or bool(sections[LoRAConfig])
         lora = None
         if enable_lora:
             lora = LoRAConfig(**sections[LoRAConfig])
@@ -63,8 +70,13 @@ class LLM:
             lora=lora,
             finetune=FinetuneConfig(**sections[FinetuneConfig]),
             coserve=CoserveConfig(**{"slo_tpot_ms": None, **sections[CoserveConfig]}),
+            parallel=parallel,
         )
         self.engine = build_engine(config)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op without them."""
+        self.engine.shutdown()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":

@@ -18,6 +18,10 @@ Per-layer op graph (x: [T, hidden] residual stream; T tokens of any rows, no pad
 After the last layer: model.norm (rmsnorm), then lm_head (tied to embed_tokens when
 tie_word_embeddings). The residual adds are fused into the next rmsnorm call (`RMSNorm(x, res)`),
 with the same arithmetic as HF's separate adds.
+
+Under tensor parallelism every rank builds this graph over its shard (`tp_layout`): its heads and
+intermediate features, one all-reduce after o_proj and one after down_proj, a vocab-parallel
+embedding and lm_head.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexserve.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
@@ -36,6 +41,8 @@ from flexserve.layers.linear import dense
 from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
+from flexserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from flexserve.model.tp_layout import TensorParallelLayout
 from flexserve_kernels.lora.serve.folded import FoldedLoRA
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -185,17 +192,19 @@ class MergedProjection:
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections, rope, paged attention, o_proj."""
+    """q/k/v projections, rope, paged attention, o_proj; under tensor parallelism this rank's
+    heads, with o_proj's partial outputs summed over the ranks."""
 
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, layout: TensorParallelLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        hidden, head_dim = config.hidden_size, layout.head_dim
+        num_heads, num_kv_heads = layout.num_local_heads, layout.num_local_kv_heads
         attention_bias = bool(getattr(config, "attention_bias", False))
         # Qwen2 has biases on q/k/v only; Llama's attention_bias covers o_proj as well.
         qkv_bias = attention_bias or config.model_type == "qwen2"
         o_bias = attention_bias and config.model_type != "qwen2"
         self.head_dim = head_dim
+        self.tp = tp
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
@@ -212,19 +221,22 @@ class LlamaAttention(nn.Module):
             q, k = rope.apply(self.q_proj(hidden), self.k_proj(hidden))
             hidden = self.attn(q, k, self.v_proj(hidden))
         if self.o.weight is not None:
-            return self.o(hidden, (self.o_proj,))[0]
-        return self.o_proj(hidden)
+            return self.tp.all_reduce(self.o(hidden, (self.o_proj,))[0])
+        return self.tp.all_reduce(self.o_proj(hidden))
 
 
 class LlamaMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x))."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)); under tensor parallelism this rank's slice of
+    the intermediate features, with down_proj's partial outputs summed over the ranks."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, layout: TensorParallelLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        hidden, intermediate = config.hidden_size, layout.local_intermediate_size
+        self.tp = tp
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.gate_up = MergedProjection()
         self.down = MergedProjection()  # down_proj alone; used once LoRA shrinks are folded into it
 
@@ -238,20 +250,21 @@ class LlamaMLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         hidden = silu_and_mul(gate, up, lora=bypass)
         if self.down.weight is not None:
-            return self.down(hidden, (self.down_proj,))[0]
-        return self.down_proj(hidden)
+            return self.tp.all_reduce(self.down(hidden, (self.down_proj,))[0])
+        return self.tp.all_reduce(self.down_proj(hidden))
 
 
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm decoder layer; see the module docstring for its op graph."""
 
-    def __init__(self, config: Any, head_dim: int, layer_idx: int = 0) -> None:
+    def __init__(self, config: Any, layout: TensorParallelLayout, tp: TensorParallelGroup,
+                 layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # index in model.layers; names the layer to fine-tuning capture
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, head_dim)
+        self.self_attn = LlamaAttention(config, layout, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layout, tp)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RopeInputs
@@ -334,14 +347,19 @@ def _project_captured(group: MergedProjection, linears: tuple[nn.Module, ...], x
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm; rope cos/sin gathered once per forward."""
 
-    def __init__(self, config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, config: Any, layout: TensorParallelLayout, tp: TensorParallelGroup,
+                 max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if tp.world_size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(
+                layout.vocab_per_rank, config.hidden_size, layout.vocab_start, layout.vocab_end, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, head_dim, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, layout, tp, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding.from_config(config, head_dim, max_position)
+        self.rotary_emb = RotaryEmbedding.from_config(config, layout.head_dim, max_position)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -360,32 +378,45 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus lm_head; attention metadata comes from the forward context."""
+    """The decoder plus lm_head; attention metadata comes from the forward context.
 
-    def __init__(self, config: Any, max_model_len: int | None = None) -> None:
+    Under tensor parallelism (`tp`, by default this process's group) it holds this rank's shard
+    of every weight (`TensorParallelLayout`), and its logits are gathered from all ranks."""
+
+    def __init__(self, config: Any, max_model_len: int | None = None,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         check_supported(config, max_model_len)
         self.config = config
+        self.tp = get_tp_group() if tp is None else tp
         self.head_dim = head_dim_of(config)
+        self.layout = TensorParallelLayout.from_config(config, self.head_dim, self.tp.rank,
+                                                       self.tp.world_size)
         self.num_layers = config.num_hidden_layers
+        self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         max_position = max_model_len or config.max_position_embeddings
-        self.model = LlamaModel(config, self.head_dim, max_position)
+        self.model = LlamaModel(config, self.layout, self.tp, max_position)
+        head_rows = config.vocab_size if self.tp.world_size == 1 else self.layout.vocab_per_rank
         if self.tie_word_embeddings:
             # Allocated on meta and replaced at once: a tied head must not cost vocab x hidden.
             with torch.device("meta"):
-                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        return dense(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
+        """hidden [N, hidden] -> logits [N, vocab] in float32, the same on every rank."""
+        logits = dense(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
+        if self.tp.world_size == 1:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)
+        return logits if logits.shape[-1] == self.vocab_size else logits[:, :self.vocab_size]
 
     def merge_projections(self) -> None:
         """q/k/v and gate/up each as one GEMM, o and down as groups of one (GPU path; call after
@@ -432,12 +463,20 @@ class LlamaForCausalLM(nn.Module):
                 )
             attn.kv_cache = cache
 
+    def checkpoint_index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor `name` (of `shape`) this rank holds; None: all of it.
+        `load_weights` takes tensors cut this way."""
+        return self.layout.checkpoint_index(name, shape)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters by HF name; returns the loaded names.
 
-        Rotary buffers are skipped, as is lm_head.weight of a tied model. Raises ValueError naming
-        the missing and unexpected names, or a shape mismatch.
+        Under tensor parallelism each tensor is this rank's part (`checkpoint_index`): a
+        vocabulary shard shorter than the parameter fills its first rows (the rest are zero
+        padding), and ranks other than 0 zero the row-parallel biases. Rotary buffers are
+        skipped, as is lm_head.weight of a tied model. Raises ValueError naming the missing and
+        unexpected names, or a shape mismatch.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -451,12 +490,19 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 unexpected.append(name)
                 continue
-            if tuple(tensor.shape) != tuple(param.shape):
+            target = param
+            if self.layout.is_vocab_parallel(name) and tensor.shape[0] < param.shape[0]:
+                param[tensor.shape[0]:].zero_()
+                target = param[:tensor.shape[0]]
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"weight {name}: checkpoint shape {tuple(tensor.shape)}, "
                     f"model shape {tuple(param.shape)}"
                 )
-            param.copy_(tensor)
+            if self.layout.holds_bias(name):
+                target.copy_(tensor)
+            else:
+                target.zero_()
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing or unexpected:

@@ -6,7 +6,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ def load_model(
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_safetensors(resolved.path, device))
+        model.load_weights(iter_safetensors(resolved.path, device, model.checkpoint_index))
     # The backbone is frozen: only bypass networks (LoRA) attached later ever train.
     return model.requires_grad_(False).eval()
 
@@ -96,16 +96,32 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def iter_safetensors(path: str, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every checkpoint tensor, read straight onto `device` one at a time."""
+IndexOf = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
+
+
+def iter_safetensors(path: str, device: torch.device,
+                     index_of: IndexOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, read straight onto `device` one at a time.
+
+    `index_of(name, shape)`: the part of each tensor to read (a tensor-parallel rank's shard,
+    read alone from the file, so no rank holds the whole model); None from it: all of it."""
     from safetensors import safe_open
 
     files = safetensors_files(path)
-    target = _safe_open_device(torch.device(device))
+    device = torch.device(device)
+    target = _safe_open_device(device)
     for file in tqdm(files, desc="loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt", device=target) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if index_of is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                index = index_of(name, tuple(part.get_shape()))
+                if index is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, part[index].to(device)
 
 
 def _safe_open_device(device: torch.device) -> str:

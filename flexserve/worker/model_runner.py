@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from flexserve.config import EngineConfig
+from flexserve.distributed.parallel_state import get_tp_group
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import (
     BatchPlan,
@@ -75,13 +76,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler on one device."""
+    """Owns the model, the KV cache tensors and the sampler on one device.
+
+    Under tensor parallelism every rank runs one, over its shard of the model and of the KV
+    cache (its key/value heads), on the same plans; the gathered logits and the shared sampler
+    seed make every rank sample the same tokens."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.hf_config = resolved.hf_config
+        self.tp = get_tp_group()
         start = time.perf_counter()
         self.model = load_model(config.model, resolved, self.device, self.dtype)
         logger.info(
@@ -94,7 +100,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_cache_spec = KVCacheSpec(
             num_layers=self.hf_config.num_hidden_layers,
-            num_kv_heads=self.hf_config.num_key_value_heads,
+            num_kv_heads=self.model.layout.num_local_kv_heads,
             head_dim=self.model.head_dim,
             block_size=self.block_size,
             dtype=self.dtype,
@@ -161,14 +167,19 @@ class ModelRunner:
         peak = self._profile_activation_peak(max_model_len) if self.device.type == "cuda" else 0
         if self.lora_manager is not None:  # kept free for fine-tuning jobs' training state
             peak += self.lora_manager.finetune_state_bytes
-        self.num_blocks = num_blocks_from_memory(
+        # Every rank of a tensor-parallel group holds the same blocks: as many as the smallest fits.
+        self.num_blocks = self.tp.min_int(num_blocks_from_memory(
             self.kv_cache_spec, self.config.cache, self.device, peak
-        )
+        ))
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec, self.num_blocks, self.device)
         self.model.bind_kv_caches(self.kv_caches)
         # Graphs replay the Triton path only (the torch reference attention is not graph-safe).
-        if (self.device.type == "cuda" and not self.config.model.enforce_eager
-                and use_triton(self.device)):
+        graphs = (self.device.type == "cuda" and not self.config.model.enforce_eager
+                  and use_triton(self.device))
+        if graphs and self.tp.world_size > 1:
+            logger.info("CUDA graphs are off under tensor parallelism: steps run eagerly")
+            graphs = False
+        if graphs:
             self.graph_runner = CUDAGraphRunner(
                 self.model, self.config.scheduler.max_num_seqs, max_model_len, self.block_size,
                 self.hf_config.num_key_value_heads, self.device,

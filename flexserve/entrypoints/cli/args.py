@@ -15,6 +15,7 @@ from flexserve.config import (
     FinetuneConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -38,6 +39,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seed of dummy weights and of unseeded sampling [%(default)s]")
     group.add_argument("--enforce-eager", action="store_true",
                        help="CUDA: run decode eagerly instead of replaying CUDA graphs")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="ranks each holding a shard of every layer (Megatron-style tensor "
+                            "parallelism); LoRA and fine-tuning are off above 1 [%(default)s]")
+    group.add_argument("--distributed-executor-backend", default=None, choices=("mp",),
+                       help="what drives the ranks: mp, one worker process per rank on this "
+                            "host [mp when --tensor-parallel-size > 1]")
     group.add_argument("--state-dir", default=None,
                        help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
                             "~/.cache/flexserve]")
@@ -145,10 +152,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "(LobRA's dynamic bucketing) [%(default)s]")
     group = parser.add_argument_group(
         "LoRA slots (on by default: fine-tuning jobs and served adapters use them)")
-    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
                        help="LoRA slots for fine-tuning jobs and adapters loaded at start-up or "
                             "at run time; a batch without adapters runs only the base GEMMs. "
-                            "--no-enable-lora: no slots, no fine-tuning, no adapters [on]")
+                            "--no-enable-lora: no slots, no fine-tuning, no adapters [on, off "
+                            "with --tensor-parallel-size > 1]")
     group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="adapters to load at start-up, as name=path or as JSON "
                             '\'{"name": "...", "path": "..."}\'')
@@ -187,7 +195,8 @@ def parse_lora_modules(values: Sequence[str] | None) -> dict[str, str]:
 
 
 def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
-    """LoRAConfig (the default), or None under --no-enable-lora; ValueError when that is
+    """LoRAConfig (the default), or None under --no-enable-lora (and by default with
+    --tensor-parallel-size > 1 and no LoRA option); ValueError when --no-enable-lora is
     combined with a LoRA option."""
     given = {
         "max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
@@ -196,7 +205,10 @@ def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
     }
     given = {k: v for k, v in given.items() if v is not None}
     modules = parse_lora_modules(args.lora_modules)
-    if not args.enable_lora:
+    enable = args.enable_lora
+    if enable is None:
+        enable = getattr(args, "tensor_parallel_size", 1) == 1 or bool(given or modules)
+    if not enable:
         options = [f"--{k.replace('_', '-')}" for k in given] + (["--lora-modules"] if modules
                                                                   else [])
         if options:
@@ -240,6 +252,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             finetune_min_share=args.finetune_min_share,
             temporal_frequency=args.temporal_frequency, latency_profile=args.latency_profile,
             finetune_backward_stream=args.finetune_backward_stream),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend),
         disable_log_stats=getattr(args, "disable_log_stats", False),
     )
 

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the process group the model's sharded layers reduce over."""

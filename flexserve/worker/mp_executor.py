@@ -1,0 +1,202 @@
+"""The `mp` executor: tensor-parallel ranks as worker processes on this host.
+
+Every rank is a spawned process (`tp_worker.run_worker`) with its shard of the model, joined
+over torch.distributed (gloo on CPU, NCCL on CUDA). Each plan goes to every rank through its
+pipe; rank 0's `StepResult` is the step's. The engine process holds no model: it watches the
+pipes and the processes together, so a rank that dies makes the step raise at once instead of
+leaving the engine waiting on a collective that never completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from flexserve.config import EngineConfig
+from flexserve.engine.plan import BatchPlan, StepResult
+from flexserve.model.registry import ResolvedModel
+from flexserve.sampling_params import StructuredOutputsParams
+from flexserve.worker.structured_outputs import GrammarManager
+from flexserve.worker.tp_worker import WorkerError, WorkerReady, run_worker
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0  # how long ranks get to leave before they are terminated
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel rank exited or failed; the executor cannot run steps any more."""
+
+
+class MultiprocExecutor:
+    """Drives `tensor_parallel_size` worker processes as one executor (`engine.executor`)."""
+
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
+                 tokenizer: Any | None, eos_token_id: int | None) -> None:
+        world_size = config.parallel.tensor_parallel_size
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into workers
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._processes: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=run_worker, name=f"flexserve-tp{rank}", daemon=True,
+                args=(rank, world_size, init_method, config, resolved, max_model_len,
+                      eos_token_id, child))
+            process.start()
+            child.close()
+            self._processes.append(process)
+            self._conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop_workers, self._processes, self._conns)
+        self._error: WorkerDiedError | None = None
+        self._num_sent = 0  # plans sent to the ranks
+        self._num_received = 0  # plans every rank has answered
+        self._results: dict[int, StepResult] = {}  # rank 0's results not taken yet, by plan
+        self._tokenizer, self._eos_token_id = tokenizer, eos_token_id
+        self._grammars: GrammarManager | None = None
+        self._grammars_lock = threading.Lock()
+        try:
+            self.ready: WorkerReady = self._receive_all()[0]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d tensor-parallel workers ready (%s)", world_size,
+                    ", ".join(f"rank {r}: pid {p.pid}" for r, p in enumerate(self._processes)))
+
+    @property
+    def world_size(self) -> int:
+        return len(self._processes)
+
+    @property
+    def processes(self) -> tuple[BaseProcess, ...]:
+        """The ranks' worker processes, in rank order."""
+        return tuple(self._processes)
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        return self.execute_async(plan)()
+
+    def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
+        """Send the plan to every rank; the returned call waits for all of them (`AsyncExecutor`).
+        Plans run in the order sent, so a continuation plan follows the one before it."""
+        start = time.perf_counter()
+        self._check_alive()
+        index = self._num_sent
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(plan)
+            except OSError:  # its end of the pipe closed: the process is exiting or gone
+                self._fail(self._exit_reason(rank))
+        self._num_sent += 1
+
+        def wait_result() -> StepResult:
+            result = self._result_of(index)
+            result.execute_time = time.perf_counter() - start
+            return result
+
+        return wait_result
+
+    def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile the constraint here, so one that does not compile is refused (ValueError)
+        before it reaches the ranks (`StructuredOutputsExecutor`); thread-safe."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer")
+                self._grammars = GrammarManager(
+                    self._tokenizer, self.ready.vocab_size,
+                    [] if self._eos_token_id is None else [self._eos_token_id])
+        self._grammars.compile(params)
+
+    def shutdown(self) -> None:
+        """Stop the ranks (terminating those that do not leave in time); idempotent."""
+        self._finalizer()
+
+    # ---------------------------------------------------------------------------------- internals
+    def _result_of(self, index: int) -> StepResult:
+        while self._num_received <= index:
+            self._check_alive()
+            self._results[self._num_received] = self._receive_all()[0]
+            self._num_received += 1
+        for earlier in [i for i in self._results if i < index]:
+            del self._results[earlier]  # a result nobody waited for
+        return self._results.pop(index)
+
+    def _receive_all(self) -> list[Any]:
+        """One reply from every rank, in rank order; raises `WorkerDiedError` when a rank died
+        or any replied with an error."""
+        replies: list[Any] = [None] * self.world_size
+        pending = dict(enumerate(self._conns))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes)}
+        while pending:
+            ready = wait([*pending.values(), *sentinels])
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    try:
+                        replies[rank] = conn.recv()
+                    except EOFError:
+                        self._fail(self._exit_reason(rank))
+                    del pending[rank]
+            for sentinel in ready:
+                rank = sentinels.get(sentinel)
+                if rank is not None:
+                    self._fail(self._exit_reason(rank))
+        errors = [r for r in replies if isinstance(r, WorkerError)]
+        if errors:
+            self._fail(f"tensor-parallel rank {errors[0].rank} failed:\n{errors[0].message}")
+        return replies
+
+    def _exit_reason(self, rank: int) -> str:
+        process = self._processes[rank]
+        process.join(SHUTDOWN_TIMEOUT_S)
+        return (f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+                f"{process.exitcode}")
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, reason: str) -> None:
+        """Stop every rank (the others would wait on the failed one forever) and raise."""
+        self._error = WorkerDiedError(reason)
+        logger.error("%s; stopping the tensor-parallel workers", reason)
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+        self.shutdown()
+        raise self._error
+
+
+def _stop_workers(processes: list[BaseProcess], conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(None)
+        except OSError:
+            pass  # that rank is gone already
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(SHUTDOWN_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+
+
+def _free_port() -> int:
+    """A TCP port free on the loopback interface now, for the ranks' rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

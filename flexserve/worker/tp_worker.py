@@ -1,0 +1,104 @@
+"""One tensor-parallel rank in its own process: it joins the group, builds its `ModelRunner`
+over its shard of the model and of the KV cache, then runs every plan the engine sends, in
+order, until told to stop (`MultiprocExecutor` drives it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from flexserve.config import EngineConfig
+from flexserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from flexserve.model.loader import load_tokenizer
+from flexserve.model.registry import ResolvedModel
+from flexserve.worker.model_runner import ModelRunner, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """A rank's report once its model and KV cache are up."""
+
+    num_blocks: int  # KV cache blocks (the same on every rank)
+    vocab_size: int  # rows of the gathered logits
+    device: str  # the rank's device, e.g. cpu or cuda:1
+    device_name: str  # the GPU's name, or cpu
+    dtype: str  # weights' dtype without the torch. prefix
+    bytes_per_block: int  # this rank's K and V bytes of one block across all layers
+
+
+@dataclass(slots=True)
+class WorkerError:
+    """A rank's failure: the formatted traceback of what it raised."""
+
+    rank: int  # the rank that failed
+    message: str  # its traceback
+
+
+def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfig,
+               resolved: ResolvedModel, max_model_len: int, eos_token_id: int | None,
+               conn: Connection) -> None:
+    """The worker process's main: replies `WorkerReady` (or `WorkerError`) once, then for every
+    `BatchPlan` received the `StepResult` (rank 0) or None (other ranks), a `WorkerError` when
+    the plan raised; stops at None or when the engine's end of the pipe closes."""
+    # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        runner = _start(rank, world_size, init_method, config, resolved, max_model_len,
+                        eos_token_id)
+        conn.send(WorkerReady(
+            num_blocks=runner.num_blocks, vocab_size=runner.vocab_size,
+            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+            device_name=(torch.cuda.get_device_name(runner.device)
+                         if runner.device.type == "cuda" else "cpu"),
+            bytes_per_block=runner.kv_cache_spec.bytes_per_block))
+    except Exception:
+        conn.send(WorkerError(rank, traceback.format_exc()))
+        destroy_tensor_parallel()
+        return
+    try:
+        while True:
+            try:
+                plan = conn.recv()
+            except EOFError:  # the engine process is gone
+                break
+            if plan is None:
+                break
+            try:
+                result = runner.execute(plan)
+            except Exception:
+                conn.send(WorkerError(rank, traceback.format_exc()))
+                continue
+            conn.send(result if rank == 0 else None)
+    finally:
+        destroy_tensor_parallel()
+
+
+def _start(rank: int, world_size: int, init_method: str, config: EngineConfig,
+           resolved: ResolvedModel, max_model_len: int, eos_token_id: int | None) -> ModelRunner:
+    device = resolve_device(config.model.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        config.model.device = f"cuda:{rank}"  # this process's copy of the config
+        backend = "nccl"
+    else:
+        # The ranks share the host's cores: each takes its part instead of all of them.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+        backend = "gloo"
+    init_tensor_parallel(rank, world_size, init_method, backend)
+    runner = ModelRunner(config, resolved)
+    runner.initialize_kv_cache(max_model_len)
+    # Structured outputs compile their grammars against the tokenizer on every rank, so every
+    # rank masks and samples the same tokens.
+    runner.set_tokenizer(load_tokenizer(resolved, config.model.tokenizer), eos_token_id)
+    logger.info("tensor-parallel rank %d of %d ready: %d KV blocks", rank, world_size,
+                runner.num_blocks)
+    return runner
+
