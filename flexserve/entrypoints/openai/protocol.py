@@ -119,7 +119,10 @@ class CompletionRequest(SamplingFields):
     # best_of is accepted equal to n only; the document states the simplest case of it.
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS_RULE,
-        _only_with("best_of", "integer", {"best_of": 1, "n": 1})]})
+        _only_with("best_of", "integer", {"best_of": 1, "n": 1}),
+        # max_tokens 0 only scores the prompt, with echo
+        {"if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+         "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}}]})
 
     model: str
     # A text, texts, one prompt's token ids, or several prompts' token ids; none empty.
