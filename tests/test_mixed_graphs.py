@@ -206,11 +206,11 @@ def test_backward_buffers_pad_and_clear_the_tail():
     assert backward_buckets(10_000)[-1] == 4096
     b = BackwardBuffers(8, 3, torch.device("cpu"))
     b.grad("q", 2)
-    b.load_window(base=10, start=4, n=5, bucket=8, residual=torch.ones(5, 3))
+    b.load_windows([(10, 4, torch.ones(5, 3))], 8)
     assert b.index.tolist() == [10, 11, 12, 13, 14, 14, 14, 14]  # padding repeats the last row
     assert b.positions.tolist() == [4, 5, 6, 7, 8, 8, 8, 8]
     b.load_gradient("q", torch.ones(5, 2, dtype=torch.bfloat16), 0, 5)
-    b.load_window(base=0, start=0, n=3, bucket=4, residual=torch.full((3, 3), 2.0))
+    b.load_windows([(0, 0, torch.full((3, 3), 2.0))], 4)
     b.load_gradient("q", torch.full((3, 2), 2.0), 0, 3)
     # rows 3-4 held the longer window's values: zeroed, so padding rows read zero gradients
     assert b.rows[:, 0].tolist() == [2, 2, 2, 0, 0, 0, 0, 0]

@@ -142,8 +142,8 @@ class LLMEngine:
         self.input_processor.check_params(params)
         text, token_ids = self.input_processor.process(prompt)
         if params.structured_outputs is not None:
-            # Grammars compile here (a JSON schema: tens of milliseconds), not in the engine's
-            # step, which every running request waits for.
+            # Grammars compile here, not in the engine's step that every running request waits
+            # for (a small JSON schema: 2-6 ms on the dev CPU, the first one about 400 ms).
             compile_grammar = getattr(self.executor, "prepare_structured_outputs", None)
             if compile_grammar is not None:
                 compile_grammar(params.structured_outputs)

@@ -71,7 +71,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "lora_name=\"private\"]")
     server.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                         help="enable CORS for these browser origins (`*`: any) [CORS off]")
-    # --- end reliability and security ---
     server.add_argument("--served-model-name", default=None,
                         help="the model name clients use [the --model value]")
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
@@ -147,7 +146,6 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-timeout-s must be positive, got {args.request_timeout_s}")
     if not args.shutdown_grace_s >= 0:
         raise ValueError(f"--shutdown-grace-s must be >= 0, got {args.shutdown_grace_s}")
-    # --- end reliability and security ---
     if args.max_upload_mb <= 0:
         raise ValueError(f"--max-upload-mb must be positive, got {args.max_upload_mb}")
     finetune = FinetuneServiceConfig(

@@ -135,7 +135,6 @@ def build_app(
     admission = AdmissionController(limits, on_reject=metrics.record_rejection)
     health_monitor = HealthMonitor(job_ids=metrics_job_ids)
     engine.add_finetune_listener(health_monitor.on_finetune_updates)
-    # --- end reliability and security ---
     # --- fine-tuning service (files + jobs API) ---
     service = None if finetune is None else FinetuneService(
         engine, model_name, finetune, FinetuneMetrics(metrics.registry, model_name, metrics_job_ids))

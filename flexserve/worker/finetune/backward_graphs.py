@@ -102,11 +102,6 @@ class BackwardBuffers:
         self.positions[offset:bucket] = self.positions[offset - 1]
         self._zero_tail("rows", self.rows, offset)
 
-    def load_window(self, base: int, start: int, n: int, bucket: int,
-                    residual: torch.Tensor) -> None:
-        """Inputs of one window of `n` rows at arena row `base` and position `start`."""
-        self.load_windows([(base, start, residual[:n])], bucket)
-
     def load_gradient(self, name: str, value: torch.Tensor, offset: int, total: int) -> None:
         """Rows [offset, offset + len(value)) of static gradient `name` from `value` (widened to
         fp32, exactly), in a load of windows of `total` rows."""

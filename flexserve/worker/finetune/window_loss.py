@@ -103,16 +103,6 @@ def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]
     return results
 
 
-def window_loss(*args: Any, **kwargs: Any) -> WindowLoss:
-    """`window_loss_async`, waited for."""
-    return window_loss_async(*args, **kwargs).result()
-
-
-def window_logprob_sum(*args: Any, **kwargs: Any) -> WindowLoss:
-    """`window_logprob_sum_async`, waited for."""
-    return window_logprob_sum_async(*args, **kwargs).result()
-
-
 def window_loss_async(
     model: Any,
     stream: torch.Tensor,
