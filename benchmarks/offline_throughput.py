@@ -11,6 +11,8 @@ measured matmul peak. Prints one JSON line per measurement and a table at the en
 
     python benchmarks/offline_throughput.py --model llama-3.1-8b --load-format dummy \
         --input-len 512 --output-len 128 --batch-sizes 1 32 --backends flexserve flexserve-eager hf
+    python benchmarks/offline_throughput.py --backends flexserve-no-lora --batch-sizes 1 32 128 \
+        --tensor-parallel-size 2         # the model sharded over two GPUs of this host
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,  # repeated prompts must not be served from the cache
         enforce_eager=backend == "flexserve-eager",
-        enable_lora=backend != "flexserve-no-lora",
+        # LoRA serving needs one device (docs/scaling_out.md)
+        enable_lora=backend != "flexserve-no-lora" and args.tensor_parallel_size == 1,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     results = []
     if prefill_prompt is not None:
@@ -72,6 +76,7 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
             llm.generate([prefill_prompt], one, use_tqdm=False)
             times.append(time.perf_counter() - t0)
         results.append({"backend": backend, "async_scheduling": args.async_scheduling,
+                        "tensor_parallel_size": args.tensor_parallel_size,
                         "prefill_tokens": len(prefill_prompt),
                         "prefill_s": round(sorted(times)[1], 5)})
     for batch, prompts in prompts_by_batch.items():
@@ -89,7 +94,8 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
         total_s = time.perf_counter() - t0
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
         results.append({**_row(backend, batch, args, prefill_s, total_s, num_out),
-                        "async_scheduling": args.async_scheduling})
+                        "async_scheduling": args.async_scheduling,
+                        "tensor_parallel_size": args.tensor_parallel_size})
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -175,6 +181,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs of this host the flexserve backends shard the model over "
+                             "(LoRA off above 1) [%(default)s]")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="flexserve: launch each decode step before the previous one's "
                              "tokens reach the host [on]")

@@ -53,7 +53,8 @@ def check_against_fp64(ours: dict[str, torch.Tensor], hf32: dict[str, torch.Tens
                        hf64: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
     """The exactness bound of the training tests: flexserve's adapter change is within
     max(1e-4, the fp32 HF loop's error) of the fp64 HF loop's over all tensors, and each tensor's
-    within 1e-2 (Adam's normalization magnifies fp32 rounding where a gradient is near zero)."""
+    within max(1e-2, the fp32 HF loop's worst tensor's) (Adam's normalization magnifies fp32
+    rounding where a gradient is near zero)."""
     keys = sorted(hf64)
     assert len(ours) == len(keys) == len(initial)
     ours_error = relative_change_error(ours, hf64, initial, keys)
@@ -62,7 +63,9 @@ def check_against_fp64(ours: dict[str, torch.Tensor], hf32: dict[str, torch.Tens
           f"HF fp32 {hf_error:.2e}")
     assert ours_error <= max(1e-4, hf_error)
     worst = max(relative_change_error(ours, hf64, initial, [k]) for k in keys)
-    assert worst <= 1e-2, f"worst tensor's relative error of its change {worst:.2e}"
+    hf_worst = max(relative_change_error(hf32, hf64, initial, [k]) for k in keys)
+    assert worst <= max(1e-2, hf_worst), (
+        f"worst tensor's relative error of its change {worst:.2e} (HF fp32: {hf_worst:.2e})")
 
 
 def relative_change_error(weights: dict[str, torch.Tensor], truth: dict[str, torch.Tensor],

@@ -202,3 +202,74 @@ def test_generate_is_token_identical_with_and_without_async_scheduling(tiny_llam
     ahead = _generate(tiny_llama, True, params, prompts, **kwargs)
     assert ahead == sync
     assert any(reason == "stop" for _, reason in sync)
+
+
+# ------------------------------------------------------------------- co-serving launched ahead
+def _coserve(path, async_scheduling: bool, tmp_path):
+    """Generate beside a fine-tuning job to its end; returns (tokens, initial adapter, final
+    adapter, plans with fine-tuning work that were launched ahead)."""
+    from safetensors.torch import load_file
+
+    from flexserve import LLM, SamplingParams
+    from flexserve.finetune.hyperparameters import Hyperparameters
+
+    from _training_data import random_training_data
+
+    llm = LLM(path, async_scheduling=async_scheduling, max_model_len=64, dtype="float32",
+              enable_lora=True, max_lora_rank=4, max_num_batched_tokens=16)
+    engine = llm.engine
+    ahead = []
+    continuation = engine.scheduler.schedule_continuation
+
+    def record(previous):
+        plan = continuation(previous)
+        if plan is not None and plan.has_finetune_work:
+            # What the update of `previous` changes for fine-tuning is not planned over.
+            assert not previous.optimizer_steps and not previous.finished_finetune_sequences
+            ahead.append(plan)
+        return plan
+
+    engine.scheduler.schedule_continuation = record
+    job = engine.add_finetune_job(random_training_data([9, 14, 5, 11, 7, 12], seed=4),
+                                  Hyperparameters.from_dict({
+                                      "batch_size": 3, "n_epochs": 1, "shuffle": False,
+                                      "learning_rate": 1e-2, "lr_scheduler": "constant",
+                                      "lora": {"r": 4, "alpha": 8,
+                                               "target_modules": ["q_proj", "down_proj"]}}))
+    adapters = []
+    engine.save_finetune_adapter(job.job_id, str(tmp_path / "initial"))
+    prompts = [[5, 6, 7, 8][: 1 + i % 4] + [i + 10] for i in range(6)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                   ignore_eos=True), use_tqdm=False)
+    while not job.finished:
+        engine.step()
+    assert job.status.value == "succeeded", job.error
+    engine.save_finetune_adapter(job.job_id, str(tmp_path / "final"))
+    for name in ("initial", "final"):
+        adapters.append(load_file(str(tmp_path / name / "adapter_model.safetensors")))
+    assert engine.scheduler.kv_cache_usage == 0.0
+    return [o.outputs[0].token_ids for o in outputs], *adapters, ahead
+
+
+def test_coserving_steps_launched_ahead_train_as_synchronous_steps(tiny_llama, tmp_path):
+    """Mixed steps (decode rows and fine-tuning windows) and fine-tuning-only steps are launched
+    before the previous step's result is applied, never after a step that ends sequences or
+    steps the optimizer; the tokens are the same and the adapter differs only by float rounding
+    (other batch shapes): relative difference of the weight change <= 1e-4, as in the
+    fine-tuning exactness tests."""
+    import torch
+
+    tokens, initial, sync, none_ahead = _coserve(tiny_llama, False, tmp_path / "sync")
+    assert not none_ahead
+    ahead_tokens, initial_ahead, ahead, plans = _coserve(tiny_llama, True, tmp_path / "ahead")
+    assert ahead_tokens == tokens
+    assert any(p.sequences and p.finetune_windows for p in plans)  # mixed steps
+    assert any(not p.sequences and (p.finetune_windows or p.backward_windows) for p in plans)
+    assert any(p.optimizer_steps for p in plans)  # a plan launched ahead may step the optimizer
+    keys = sorted(sync)
+    assert keys == sorted(ahead)
+    change = torch.cat([(sync[k] - initial[k]).double().flatten() for k in keys])
+    diff = torch.cat([(ahead[k] - initial_ahead[k] - sync[k] + initial[k]).double().flatten()
+                      for k in keys])
+    assert change.norm() > 0
+    assert float(diff.norm() / change.norm()) <= 1e-4

@@ -76,16 +76,19 @@ def train(llm: LLM, names: list[str], path, fail: str | None = None):
     for name, state in states.items():
         engine.save_finetune_adapter(state.job_id, str(path / f"{name}-initial"))
         initial[name] = load_file(str(path / f"{name}-initial" / "adapter_model.safetensors"))
-    schedule = engine.scheduler.schedule
+    scheduler = engine.scheduler
+    schedule, schedule_continuation = scheduler.schedule, scheduler.schedule_continuation
     windows, starts = [], []
 
-    def recording_schedule():
-        plan = schedule()
-        windows.append({w.job_id for w in plan.finetune_windows + plan.backward_windows})
-        starts.append({s.job_id for s in plan.finetune_starts})
+    def record(plan):
+        if plan is not None:
+            windows.append({w.job_id for w in plan.finetune_windows + plan.backward_windows})
+            starts.append({s.job_id for s in plan.finetune_starts})
         return plan
 
-    engine.scheduler.schedule = recording_schedule
+    # Plans come from both (asynchronous scheduling plans steps ahead).
+    scheduler.schedule = lambda: record(schedule())
+    scheduler.schedule_continuation = lambda previous: record(schedule_continuation(previous))
     num_steps = 0
     while not all(state.finished for state in states.values()):
         if fail is not None and num_steps == 3:

@@ -1,11 +1,12 @@
 """`EngineCore.step()`: schedule -> execute -> update, the iteration every feature rides on.
 
-With asynchronous scheduling (vLLM's `--async-scheduling`), a decode step N+1 is scheduled and
-launched before step N's sampled tokens are waited for, so the host's per-step work (the next
-step's scheduling and input preparation, then step N's update and output processing) overlaps
-the device's forward of step N+1 instead of leaving the device idle between steps. Only plans
-`Scheduler.schedule_continuation` accepts are launched ahead; the results are those of
-synchronous stepping (tokens of requests that end are discarded with their extra row).
+With asynchronous scheduling (vLLM's `--async-scheduling`), step N+1 is scheduled and launched
+before step N's sampled tokens (and fine-tuning window losses) are waited for, so the host's
+per-step work (the next step's scheduling and input preparation, then step N's update and
+output processing) overlaps the device's work of step N+1 instead of leaving the device idle
+between steps. That covers decode steps and, under co-serving, mixed and fine-tuning-only steps.
+Only plans `Scheduler.schedule_continuation` accepts are launched ahead; the results are those
+of synchronous stepping (tokens of requests that end are discarded with their extra row).
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ class EngineCore:
             plan, done - began, time.thread_time() - thread_start if traced else None)
         failed = self.scheduler.fail_adapters(result.lora_load_errors)
         updated = self.scheduler.update(plan, result)
-        if self._pending is not None and not self.scheduler.num_running:
+        if (self._pending is not None and not self.scheduler.num_running
+                and not self._pending[0].has_finetune_work):
             # Its rows were all the running requests, and every one just ended: nothing will
             # read its tokens, and the device runs it before any later step reusing its blocks.
+            # (Fine-tuning windows in it are waited for: their losses count.)
             self._pending = None
         if self._pending is None and self.scheduler.num_running:
             # (A step launched ahead is timed from `done` on: the gap is inside its time.)

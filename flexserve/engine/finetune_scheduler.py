@@ -187,6 +187,7 @@ class _RunningSequence:
     partner: int | None = None  # a DPO side: the sequence id of the other side of its pair
     chosen: bool = False  # a DPO side: the preferred one
     loss_sum: float = 0.0  # a DPO sequence: summed cross-entropy of its windows so far
+    num_folded_tokens: int = 0  # a DPO sequence: positions whose window losses are in loss_sum
     grad_scale: float | None = None  # a DPO side: its factor, sent with its first backward window
 
 
@@ -546,6 +547,13 @@ class FinetuneScheduler:
                     job.step_loss_count += count
                     job.step_num_correct += num_correct
                 changed[job_id] = job
+        for window in plan.finetune_windows:  # (a step planned ahead may have advanced
+            # num_forward_tokens past what was folded in)
+            job = self.jobs.get(window.job_id)
+            if job is not None and job.beta is not None:
+                for seq in job.running:
+                    if seq.sequence_id == window.sequence_id:
+                        seq.num_folded_tokens += window.end - window.start
         for job_id, sequence_id in plan.finished_finetune_sequences:
             job = self.jobs.get(job_id)
             if job is not None:
@@ -616,8 +624,8 @@ class FinetuneScheduler:
         for chosen in job.running:
             rejected = by_id.get(chosen.partner) if chosen.chosen else None
             if (rejected is None or chosen.backward_layer >= 0 or chosen.done
-                    or chosen.num_forward_tokens < chosen.length
-                    or rejected.num_forward_tokens < rejected.length):
+                    or chosen.num_folded_tokens < chosen.length
+                    or rejected.num_folded_tokens < rejected.length):
                 continue
             ref = job.reference_logprobs
             pair = dpo_pair(job.beta, -chosen.loss_sum, -rejected.loss_sum,

@@ -245,6 +245,14 @@ class HybridTokenScheduler:
                 and not getattr(self.latency_model, "is_fallback", False):
             self.tpot_feasibility.check_profile(self.latency_model.predict)
 
+    @property
+    def plans_ahead(self) -> bool:
+        """Whether fine-tuning windows may be planned into a step launched ahead (asynchronous
+        scheduling): co-serving on one stream. The temporal policies switch phases on the
+        step's outcome and spatial sharing joins a second stream at every step."""
+        return (self.policy == SharingPolicy.COSERVE
+                and not self.config.finetune_backward_stream)
+
     # ---------------------------------------------------------------------------- the step
     def mode(self, has_inference_work: bool, has_finetune_work: bool) -> StepMode:
         """The kind of iteration to build now."""

@@ -212,22 +212,31 @@ class Scheduler:
         return plan
 
     def schedule_continuation(self, previous: BatchPlan) -> BatchPlan | None:
-        """The next decode step of `previous`, built before `previous` ran to completion
+        """The next step after `previous`, built before `previous` ran to completion
         (asynchronous scheduling: the host prepares step N+1 while the device runs step N).
 
         Every running request is a row of `previous` that samples a token, in order; row i of
         the new plan feeds the token sampled for row i of `previous` (`continues_previous`).
-        Returns None, and leaves the step to `schedule`, whenever that shortcut could change
-        what is computed: requests are waiting for admission, fine-tuning has work, the KV
-        cache would need a preemption, or a row's sampling reads host state that `update`
-        has not written yet (logprobs, penalties, per-step seeds, min_tokens still masking
-        EOS). A request that finishes at `previous`'s update wastes its row in the new plan;
-        `update` skips it (the request is no longer running), and the K/V the row writes lands
-        in blocks the device reuses only for later steps.
+        Under co-serving the plan also gets fine-tuning windows, sized as `schedule` would
+        size them: the fine-tuning scheduler advances its sequences when it plans them, so only
+        a `previous` that ends sequences or steps an optimizer (what its update changes) stops
+        the chain. Returns None, and leaves the step to `schedule`, whenever that shortcut could
+        change what is computed: requests are waiting for admission, the KV cache would need a
+        preemption, a row's sampling reads host state that `update` has not written yet
+        (logprobs, penalties, per-step seeds, min_tokens still masking EOS), or the sharing
+        policy alternates or splits phases. A request that finishes at `previous`'s update
+        wastes its row in the new plan; `update` skips it (the request is no longer running),
+        and the K/V the row writes lands in blocks the device reuses only for later steps.
         """
         rows = previous.sequences
-        if (not rows or previous.has_finetune_work or self.waiting or self.finetune.has_work()
-                or len(rows) != len(self.running)):
+        finetune = self.finetune.has_work()
+        if self.waiting or len(rows) != len(self.running):
+            return None
+        if finetune or previous.has_finetune_work:
+            if not (finetune and self.hybrid.plans_ahead and not previous.optimizer_steps
+                    and not previous.finished_finetune_sequences):
+                return None
+        elif not rows:
             return None
         for row, request in zip(rows, self.running):
             params = request.sampling_params
@@ -242,9 +251,14 @@ class Scheduler:
         for request in self.running:
             if not kv.allocate_lookahead(request, 1):
                 return None  # blocks already taken stay with their requests for the next step
-        plan = BatchPlan(continues_previous=True)
+        plan = BatchPlan(continues_previous=bool(rows))
         for request in self.running:
             self._add_row(plan, request, 1, [PLACEHOLDER_TOKEN_ID])
+        if finetune:
+            mode = self.hybrid.mode(bool(self.running), True)
+            self.hybrid.schedule_finetune(plan, self.finetune, mode, self.waiting)
+            if plan.is_empty:  # fine-tuning waits for `previous`'s update
+                return None
         plan.finished_request_ids = self.finished_request_ids
         self.finished_request_ids = []
         self.hybrid.finish_step(plan, 0)

@@ -75,6 +75,23 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _after_device(fill: Callable[[], None] | None, fold: Callable[[], None] | None
+                  ) -> Callable[[], None]:
+    """The call that waits for the step's device work (up to now), then fills in its sampled
+    tokens and folds its window losses in."""
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> None:
+        done.synchronize()
+        if fill is not None:
+            fill()
+        if fold is not None:
+            fold()
+
+    return wait
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler on one device.
 
@@ -286,6 +303,11 @@ class ModelRunner:
                 plan.backward_windows and self.config.coserve.finetune_backward_stream)):
             side_stream = self._side_stream()
             side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        # A step with fine-tuning work on one stream and no optimizer step returns before the
+        # device ends it, as a decode step does: its sampled tokens and window losses come back
+        # through copies the returned call waits for (the next step is launched meanwhile).
+        # Optimizer steps read the gradient norm, and a second stream must join: they wait here.
+        later = cuda and finetune and side_stream is None and not plan.optimizer_steps
         if side_stream is not None:
             # The inference forward is launched first and sampled last, so the fine-tuning
             # work queued on the side stream in between runs concurrently with it.
@@ -303,8 +325,7 @@ class ModelRunner:
                                               plan.finetune_grad_scales)
             sample()
         else:
-            # Without fine-tuning work the sampled tokens may come back later (deferred).
-            fill = self._forward(rows, windows, result, plan, deferred=not finetune)()
+            fill = self._forward(rows, windows, result, plan, deferred=not finetune or later)()
             if finetune:
                 self._finetune().run_backward(plan.backward_windows, errors,
                                               plan.finetune_grad_scales)
@@ -312,9 +333,11 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(side_stream)
         if finetune:
             runner = self._finetune()
-            runner.read_losses(result.finetune_losses, errors)
+            fold = runner.read_losses(result.finetune_losses, errors, later)
             runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
             runner.finish_sequences(plan.finished_finetune_sequences)
+            if later:
+                fill = _after_device(fill, fold)
         if cuda and fill is None:
             torch.cuda.synchronize(self.device)
         return result, fill
@@ -339,6 +362,8 @@ class ModelRunner:
         row_slots = [r.lora_slot for r in rows] + [w.lora_slot for w in windows]
         if plan.continues_previous:
             input_ids = self._continuation_input_ids(len(rows))
+            if windows:
+                input_ids = torch.cat([input_ids, self._prepare_input_ids([], windows)])
         else:
             input_ids = self._prepare_input_ids(rows, windows)
         num_computed = [r.num_computed_tokens for r in rows] + [w.start for w in windows]

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,7 @@ from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTe
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
 from flexserve.worker.finetune.window_loss import (
     PendingWindowLoss,
-    read_window_losses,
+    copy_window_losses,
     window_logprob_sum_async,
     window_loss_async,
 )
@@ -462,29 +463,38 @@ class FinetuneRunner:
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 self._fail(window.job_id, e, errors, "its forward window's loss")
 
-    def read_losses(self, losses: dict, errors: dict[str, str]) -> None:
+    def read_losses(self, losses: dict, errors: dict[str, str], later: bool = False
+                    ) -> Callable[[], None] | None:
         """The step's window losses and reference log-probabilities into `losses` as (sum,
-        tokens, correct), read from the device at once (the step's one wait); a non-finite one
-        fails its job."""
+        tokens, correct), copied from the device at once (the step's one wait); a non-finite one
+        fails its job. `later`: only start the copy, and return the call that waits for it and
+        folds the losses in (a step whose result is waited for after the next one launched)."""
         pending, self._pending_losses = self._pending_losses, []
         if not pending:
-            return
-        for (window, reference, _), loss in zip(
-                pending, read_window_losses([p for _, _, p in pending])):
-            if window.job_id in errors:
-                continue
-            if not math.isfinite(loss.loss_sum):
-                error = FloatingPointError(
-                    f"the reference log-probability is {-loss.loss_sum} in sequence "
-                    f"{window.sequence_id}: the reference model overflows" if reference else
-                    f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
-                    f"(tokens {window.start}-{window.end}): the job diverged; retry with a lower "
-                    "learning rate")
-                self._fail(window.job_id, error, errors,
-                           "its reference window" if reference else "its forward window's loss")
-                continue
-            losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens,
-                                                           loss.num_correct)
+            return None
+        copy = copy_window_losses([p for _, _, p in pending])
+
+        def fold() -> None:
+            for (window, reference, _), loss in zip(pending, copy.read()):
+                if window.job_id in errors:
+                    continue
+                if not math.isfinite(loss.loss_sum):
+                    error = FloatingPointError(
+                        f"the reference log-probability is {-loss.loss_sum} in sequence "
+                        f"{window.sequence_id}: the reference model overflows" if reference else
+                        f"the training loss is {loss.loss_sum} in sequence {window.sequence_id} "
+                        f"(tokens {window.start}-{window.end}): the job diverged; retry with a "
+                        "lower learning rate")
+                    self._fail(window.job_id, error, errors, "its reference window"
+                               if reference else "its forward window's loss")
+                    continue
+                losses[(window.job_id, window.sequence_id)] = (loss.loss_sum, loss.num_tokens,
+                                                               loss.num_correct)
+
+        if later:
+            return fold
+        fold()
+        return None
 
     def reference_logprobs(self, hidden: torch.Tensor, windows: list[FinetuneWindow],
                            first_row: int, errors: dict[str, str]) -> None:

@@ -80,7 +80,7 @@ class WindowLoss:
 @dataclass(slots=True)
 class PendingWindowLoss:
     """A window's loss still on the device: its work is queued, nothing waited for. A step reads
-    all of its windows' losses at once (`read_window_losses`), with one host sync."""
+    all of its windows' losses at once (`copy_window_losses`), with one device-to-host copy."""
 
     sums: torch.Tensor | None  # [2] on the device: the cross-entropy sum, the correct count
     num_tokens: int  # how many targets counted (known on the host)
@@ -89,18 +89,49 @@ class PendingWindowLoss:
         return read_window_losses([self])[0]
 
 
-def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]:
-    """The losses of `pending` windows on the host, with one device-to-host copy for them all."""
+@dataclass(slots=True)
+class WindowLossCopy:
+    """Window losses on their way to the host. On CUDA the copy is queued behind the step's work
+    into pinned memory, and `read` waits for that copy alone, not for work queued after it (a
+    step launched ahead, asynchronous scheduling)."""
+
+    pending: list[PendingWindowLoss]
+    host: torch.Tensor | None  # [windows with sums, 2]
+    copied: Any  # torch.cuda.Event, or None when `host` is readable now
+
+    def read(self) -> list[WindowLoss]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        values = iter(self.host.tolist() if self.host is not None else [])
+        results = []
+        for p in self.pending:
+            if p.sums is None:
+                results.append(WindowLoss(0.0, 0))
+            else:
+                loss_sum, correct = next(values)
+                results.append(WindowLoss(loss_sum, p.num_tokens, int(correct)))
+        return results
+
+
+def copy_window_losses(pending: Sequence[PendingWindowLoss]) -> WindowLossCopy:
+    """Start the copy of `pending` windows' losses to the host, one copy for them all."""
     on_device = [p.sums for p in pending if p.sums is not None]
-    values = iter(torch.stack(on_device).tolist() if on_device else [])
-    results = []
-    for p in pending:
-        if p.sums is None:
-            results.append(WindowLoss(0.0, 0))
+    host = copied = None
+    if on_device:
+        stacked = torch.stack(on_device)
+        if stacked.device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
         else:
-            loss_sum, correct = next(values)
-            results.append(WindowLoss(loss_sum, p.num_tokens, int(correct)))
-    return results
+            host = stacked
+    return WindowLossCopy(list(pending), host, copied)
+
+
+def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]:
+    """The losses of `pending` windows on the host (waits for them)."""
+    return copy_window_losses(pending).read()
 
 
 def window_loss_async(
