@@ -316,8 +316,10 @@ class FakeFinetuneServer:
     """The routes bench serve calls; every GET of the job adds 100 trained tokens, and 10
     forward-phase tokens to /metrics when it exports them."""
 
-    def __init__(self, export_metrics: bool = False, max_job_gets: int | None = None) -> None:
+    def __init__(self, export_metrics: bool = False, max_job_gets: int | None = None,
+                 metrics_job_id: str = "ftjob-1") -> None:
         self.export_metrics = export_metrics
+        self.metrics_job_id = metrics_job_id  # "all": a server that does not export job ids
         self.max_job_gets = max_job_gets  # later GETs of the job answer 500
         self.uploads: list[tuple[str, bytes]] = []
         self.jobs: list[dict] = []
@@ -363,11 +365,13 @@ class FakeFinetuneServer:
         if not self.export_metrics:
             return PlainTextResponse("not here", status_code=404)
         tokens = 10 * self.num_job_gets
+        job = self.metrics_job_id
         return PlainTextResponse(
             "# TYPE flexserve:finetune_tokens counter\n"
-            f'flexserve:finetune_tokens_total{{job_id="ftjob-1",phase="forward"}} {tokens}\n'
-            f'flexserve:finetune_tokens_total{{job_id="ftjob-1",phase="backward"}} {3 * tokens}\n'
-            f'flexserve:finetune_tokens_total{{job_id="other",phase="forward"}} 999\n')
+            f'flexserve:finetune_tokens_total{{job_id="{job}",phase="forward"}} {tokens}\n'
+            f'flexserve:finetune_tokens_total{{job_id="{job}",phase="backward"}} {3 * tokens}\n'
+            + ('' if job == "all" else
+               'flexserve:finetune_tokens_total{job_id="other",phase="forward"} 999\n'))
 
     async def complete(self, request: Request):
         body = await request.json()
@@ -434,8 +438,9 @@ def test_finetune_job_is_submitted_sampled_and_cancelled(fake_server, tmp_path):
     assert "Fine-tuning throughput (tok/s):" in format_report(result)
 
 
-def test_finetune_job_alone_from_metrics_and_kept(fake_server, tmp_path):
-    fake, url = fake_server(export_metrics=True)
+@pytest.mark.parametrize("metrics_job_id", ["ftjob-1", "all"])
+def test_finetune_job_alone_from_metrics_and_kept(fake_server, tmp_path, metrics_job_id):
+    fake, url = fake_server(export_metrics=True, metrics_job_id=metrics_job_id)
     data = tmp_path / "train.jsonl"
     data.write_text('{"text": "a b c"}\n')
     result = run_benchmark(parse_bench_serve_args([

@@ -263,6 +263,9 @@ def test_finetune_warmup_runs_both_sequences_and_leaves_nothing_behind(tiny_dir,
     assert {c.prefill[0][1] for c in grid.inference if c.prefill} == {16, 32, 64, 128}
     assert warmup_grid(8, 1024, 256, 1024, 100, 16) is None  # a budget of 8 tokens: no room
     assert warmup_grid(8192, 1024, 256, 1024, 40, 16) is None  # 40 KV blocks: no room
+    # A short context bounds the prefill chunks too (each must fit max_model_len).
+    short = warmup_grid(8192, 64, 256, 64, 1000, 16)
+    assert {c.prefill[0][1] for c in short.inference if c.prefill} == {16, 32}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -3,8 +3,8 @@
 `FinetuneMonitor` uploads the training file, starts the job before the traffic, samples it over
 the inference run window (first request sent to last request done) and cancels it at the end
 unless kept. The window's fine-tuning tokens per second (`finetune_tokens_per_s`) come from
-`/metrics` (`flexserve:finetune_tokens_total{phase="forward"}` of the job), else from the job's
-`trained_tokens`.
+`/metrics` (`flexserve:finetune_tokens_total{phase="forward"}` of the job, or of `all` on a server
+that does not export job ids), else from the job's `trained_tokens`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from flexserve.metrics.finetune_metrics import ALL_JOBS
 
 _PENDING_JOB_STATES = ("validating_files", "queued")
 _ENDED_JOB_STATES = ("succeeded", "failed", "cancelled")
@@ -114,8 +116,10 @@ class FinetuneMonitor:
 
             for family in text_string_to_metric_families(response.text):
                 for s in family.samples:
+                    # Servers without --metrics-job-ids count every job under "all": the
+                    # monitor's job is the only one running (one job per measurement).
                     if s.name == "flexserve:finetune_tokens_total" \
-                            and s.labels.get("job_id") == self.job_id:
+                            and s.labels.get("job_id") in (self.job_id, ALL_JOBS):
                         phase = s.labels.get("phase", "")
                         phases[phase] = phases.get(phase, 0.0) + s.value
         trained = job.get("trained_tokens")

@@ -63,7 +63,7 @@ def warmup_grid(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: i
     rows = InferenceCase(decode_rows=min(2, max_num_seqs), decode_context=16)
     inference = [rows]
     for chunk in (16, 32, 64, 128):
-        if chunk + 1 > max_num_batched_tokens:
+        if chunk + 1 > min(max_num_batched_tokens, max_model_len):
             break
         inference.append(InferenceCase([(0, chunk)]))
         context = 256  # decode attention's keys per split (MIN_KEYS_PER_SPLIT): splits 1, 2, 4, ...
