@@ -111,6 +111,10 @@ class AdapterOptimizer:
 
         Returns the global L2 norm of the gradients before clipping (clip_grad_norm_'s value).
         """
+        return float(self.step_norm())
+
+    def step_norm(self) -> torch.Tensor:
+        """`step` without waiting for the device: the norm stays a 0-d tensor on it."""
         if self.num_completed_steps >= self.num_training_steps:
             raise RuntimeError(f"all {self.num_training_steps} planned optimizer steps are done")
         masters = list(self.masters.values())
@@ -123,7 +127,7 @@ class AdapterOptimizer:
         self._adamw.step()
         self.num_completed_steps += 1
         self.zero_grad()
-        return float(norm)
+        return norm
 
     def state_dict(self) -> dict[str, Any]:
         """Masters, AdamW state and step count: what a checkpoint needs to resume exactly.

@@ -17,3 +17,24 @@ def to_device(values: list | torch.Tensor, device: torch.device | str,
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor on its way to the host. On CUDA the copy goes into pinned memory behind
+    the work queued so far, and `tolist` waits for that copy alone, not for work queued after
+    it (a step launched ahead, asynchronous scheduling); elsewhere it is readable at once."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event = None
+        if t.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            t = host
+        self._host = t
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

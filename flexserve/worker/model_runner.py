@@ -75,10 +75,11 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def _after_device(fill: Callable[[], None] | None, fold: Callable[[], None] | None
+def _after_device(fill: Callable[[], None] | None, folds: list[Callable[[], None] | None]
                   ) -> Callable[[], None]:
     """The call that waits for the step's device work (up to now), then fills in its sampled
-    tokens and folds its window losses in."""
+    tokens and folds its window losses and gradient norms in (in that order: a job a loss
+    fails keeps no gradient norm)."""
     done = torch.cuda.Event()
     done.record()
 
@@ -86,8 +87,9 @@ def _after_device(fill: Callable[[], None] | None, fold: Callable[[], None] | No
         done.synchronize()
         if fill is not None:
             fill()
-        if fold is not None:
-            fold()
+        for fold in folds:
+            if fold is not None:
+                fold()
 
     return wait
 
@@ -303,11 +305,11 @@ class ModelRunner:
                 plan.backward_windows and self.config.coserve.finetune_backward_stream)):
             side_stream = self._side_stream()
             side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        # A step with fine-tuning work on one stream and no optimizer step returns before the
-        # device ends it, as a decode step does: its sampled tokens and window losses come back
+        # A step with fine-tuning work on one stream returns before the device ends it, as a
+        # decode step does: its sampled tokens, window losses and gradient norms come back
         # through copies the returned call waits for (the next step is launched meanwhile).
-        # Optimizer steps read the gradient norm, and a second stream must join: they wait here.
-        later = cuda and finetune and side_stream is None and not plan.optimizer_steps
+        # With a second stream, which must join, the step waits here.
+        later = cuda and finetune and side_stream is None
         if side_stream is not None:
             # The inference forward is launched first and sampled last, so the fine-tuning
             # work queued on the side stream in between runs concurrently with it.
@@ -333,11 +335,12 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(side_stream)
         if finetune:
             runner = self._finetune()
-            fold = runner.read_losses(result.finetune_losses, errors, later)
-            runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors)
+            folds = [runner.read_losses(result.finetune_losses, errors, later),
+                     runner.optimizer_steps(plan.optimizer_steps, result.grad_norms, errors,
+                                            later)]
             runner.finish_sequences(plan.finished_finetune_sequences)
             if later:
-                fill = _after_device(fill, fold)
+                fill = _after_device(fill, folds)
         if cuda and fill is None:
             torch.cuda.synchronize(self.device)
         return result, fill

@@ -40,6 +40,7 @@ from flexserve.finetune.checkpoint import (
 )
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.finetune.optimizer import AdapterOptimizer
+from flexserve.layers.device_copy import HostCopy
 from flexserve.peft.activation_budget import LayerPlans, budget_bytes_from_gib, plan_layers
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.graph_pruning import PruningPlan
@@ -586,20 +587,41 @@ class FinetuneRunner:
         self.num_backward_windows["together"] += len(group)
 
     def optimizer_steps(self, job_ids: list[str], grad_norms: dict[str, float],
-                        errors: dict[str, str]) -> None:
+                        errors: dict[str, str], later: bool = False) -> Callable[[], None] | None:
+        """Step each job's optimizer; its gradient norm goes into `grad_norms`, and a
+        non-finite one fails the job. `later`: the norms are read by the returned call (see
+        `read_losses`)."""
+        norms = []
         for job_id in job_ids:
             job = self.jobs.get(job_id)
             if job is None or job_id in errors:
                 continue
             try:
                 with torch.no_grad():
-                    norm = job.optimizer.step()
-                    if not math.isfinite(norm):
-                        raise RuntimeError(f"the gradient norm is {norm}: the step diverged")
+                    norm = job.optimizer.step_norm()
                     job.write_slot()
-                grad_norms[job_id] = norm
+                norms.append((job_id, norm))
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 self._fail(job_id, e, errors, "its optimizer step")
+        if not norms:
+            return None
+        copy = HostCopy(torch.stack([norm.float() for _, norm in norms]))
+
+        def fold() -> None:
+            for (job_id, _), value in zip(norms, copy.tolist()):
+                if job_id in errors:
+                    continue
+                if not math.isfinite(value):
+                    self._fail(job_id, RuntimeError(
+                        f"the gradient norm is {value}: the step diverged"), errors,
+                        "its optimizer step")
+                    continue
+                grad_norms[job_id] = value
+
+        if later:
+            return fold
+        fold()
+        return None
 
     def finish_sequences(self, finished: list[tuple[str, int]]) -> None:
         for job_id, sequence_id in finished:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flexserve.layers.device_copy import to_device
+from flexserve.layers.device_copy import HostCopy, to_device
 from flexserve.worker.finetune.layer_backward import rmsnorm_backward, rmsnorm_forward
 
 DEFAULT_CHUNK_ROWS = 1024
@@ -91,18 +91,13 @@ class PendingWindowLoss:
 
 @dataclass(slots=True)
 class WindowLossCopy:
-    """Window losses on their way to the host. On CUDA the copy is queued behind the step's work
-    into pinned memory, and `read` waits for that copy alone, not for work queued after it (a
-    step launched ahead, asynchronous scheduling)."""
+    """Window losses on their way to the host (`HostCopy`: `read` waits for their copy only)."""
 
     pending: list[PendingWindowLoss]
-    host: torch.Tensor | None  # [windows with sums, 2]
-    copied: Any  # torch.cuda.Event, or None when `host` is readable now
+    copy: HostCopy | None  # [windows with sums, 2]
 
     def read(self) -> list[WindowLoss]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        values = iter(self.host.tolist() if self.host is not None else [])
+        values = iter(self.copy.tolist() if self.copy is not None else [])
         results = []
         for p in self.pending:
             if p.sums is None:
@@ -116,17 +111,7 @@ class WindowLossCopy:
 def copy_window_losses(pending: Sequence[PendingWindowLoss]) -> WindowLossCopy:
     """Start the copy of `pending` windows' losses to the host, one copy for them all."""
     on_device = [p.sums for p in pending if p.sums is not None]
-    host = copied = None
-    if on_device:
-        stacked = torch.stack(on_device)
-        if stacked.device.type == "cuda":
-            host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host = stacked
-    return WindowLossCopy(list(pending), host, copied)
+    return WindowLossCopy(list(pending), HostCopy(torch.stack(on_device)) if on_device else None)
 
 
 def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]:
