@@ -278,8 +278,3 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     disable_log_stats: bool = False  # periodic one-line stats in the log
 
-    def __post_init__(self) -> None:
-        if self.parallel.tensor_parallel_size > 1 and self.lora is not None:
-            raise ValueError("LoRA (adapters and fine-tuning jobs) is not supported under "
-                             "tensor parallelism yet: turn it off (enable_lora=False / "
-                             "--no-enable-lora) or use tensor_parallel_size 1")

@@ -188,15 +188,12 @@ def test_non_dividing_size_is_refused_at_start_up(smollm2_dir):
 
 
 def test_unsupported_combinations_are_refused():
-    with pytest.raises(ValueError, match="not supported under tensor parallelism"):
-        EngineConfig(lora=LoRAConfig(), parallel=ParallelConfig(tensor_parallel_size=2))
+    assert EngineConfig(lora=LoRAConfig(), parallel=ParallelConfig(tensor_parallel_size=2)).lora
     with pytest.raises(ValueError, match="'ray' is not supported yet"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=0)
     assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
-    with pytest.raises(ValueError, match="not supported under tensor parallelism"):
-        LLM("unused", tensor_parallel_size=2, max_loras=2)
 
 
 def test_cli_options():
@@ -212,8 +209,8 @@ def test_cli_options():
     assert config.parallel.distributed_executor_backend == "mp"
     assert config.lora is None  # off by default under tensor parallelism
     assert engine_config_from_args(parser.parse_args([])).lora is not None
-    with pytest.raises(ValueError, match="not supported under tensor parallelism"):
-        engine_config_from_args(parser.parse_args(["-tp", "2", "--enable-lora"]))
+    assert engine_config_from_args(parser.parse_args(["-tp", "2", "--enable-lora"])).lora
+    assert engine_config_from_args(parser.parse_args(["-tp", "2", "--max-loras", "3"])).lora
 
 
 # ------------------------------------------------------------------------ worker processes
@@ -299,7 +296,7 @@ def test_tp2_greedy_matches_one_process(tiny_tp_checkpoint):
         assert sampled_tokens(llm) == want_sampled
         # Again: the shared prefix now comes from the cache.
         assert greedy_tokens(llm, PROMPTS[1:2]) == want[1:2]
-        with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+        with pytest.raises(ValueError, match="on only when asked for"):
             llm.add_lora(LoRARequest("a", 1, "/nonexistent"))
         # A step that raises on the ranks stops them all and names the rank and its error.
         with pytest.raises(WorkerDiedError, match="(?s)rank 0 failed.*AttributeError"):
@@ -348,6 +345,64 @@ def test_killed_worker_makes_the_step_raise(tiny_tp_checkpoint):
             executor.execute(None)
     finally:
         engine.shutdown()
+
+
+def test_lora_shards_follow_the_weights():
+    from flexserve.model.tp_layout import TensorParallelLayout
+
+    # 4 query heads, 1 key/value head replicated on both ranks, head_dim 2, 6 MLP features.
+    a, b = torch.randn(3, 8), torch.randn(8, 3)  # rank 3; q: [8 out, 8 in]
+    kv_a, kv_b = torch.randn(3, 8), torch.randn(2, 3)
+    mlp_a, mlp_b = torch.randn(3, 6), torch.randn(8, 3)  # down: [8 out, 6 in]
+    for rank in (0, 1):
+        layout = TensorParallelLayout(rank, 2, 4, 1, 2, 6, 10)
+        qa, qb = layout.lora_shard("q_proj", a, b)  # column: B by output rows, A whole
+        assert qa is a and torch.equal(qb, b[4 * rank:4 * rank + 4])
+        ka, kb = layout.lora_shard("k_proj", kv_a, kv_b)  # the one KV head: whole on each rank
+        assert ka is kv_a and torch.equal(kb, kv_b)
+        da, db = layout.lora_shard("down_proj", mlp_a, mlp_b)  # row: A by input columns
+        assert torch.equal(da, mlp_a[:, 3 * rank:3 * rank + 3]) and db is mlp_b
+    # The ranks' partial deltas of a row-parallel projection sum to the whole one.
+    x = torch.randn(5, 6)
+    parts = [x[:, 3 * r:3 * r + 3] @ TensorParallelLayout(r, 2, 4, 1, 2, 6, 10).lora_shard(
+        "down_proj", mlp_a, mlp_b)[0].T @ mlp_b.T for r in (0, 1)]
+    torch.testing.assert_close(parts[0] + parts[1], x @ mlp_a.T @ mlp_b.T)
+
+
+def test_tp2_lora_adapters_match_one_process(tiny_tp_checkpoint, tmp_path):
+    """Two adapters (attention and MLP projections, column- and row-parallel) and the base
+    model in one batch at TP=2 give one process's greedy tokens; fine-tuning is refused."""
+    from flexserve.finetune.hyperparameters import Hyperparameters
+
+    from _hf_training import save_random_peft_adapter
+    from _training_data import random_training_data
+
+    g = torch.Generator().manual_seed(11)
+    paths = [save_random_peft_adapter(tiny_tp_checkpoint, tmp_path / "a",
+                                      ["q_proj", "k_proj", "v_proj", "o_proj"], g, 0.3),
+             save_random_peft_adapter(tiny_tp_checkpoint, tmp_path / "b",
+                                      ["gate_proj", "up_proj", "down_proj"], g, 0.3)]
+    requests = [LoRARequest("a", 1, paths[0]), LoRARequest("b", 2, paths[1]), None]
+
+    def generate(llm):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, params, lora_request=requests, use_tqdm=False)]
+
+    one = LLM(tiny_tp_checkpoint, max_loras=2, **ENGINE)
+    want = generate(one)
+    assert want[:2] != greedy_tokens(one, PROMPTS)[:2]  # the adapters change the tokens
+    llm = LLM(tiny_tp_checkpoint, tensor_parallel_size=2, max_loras=2, **ENGINE)
+    try:
+        assert generate(llm) == want
+        assert generate(llm) == want  # again, from the slots
+        with pytest.raises(ValueError, match="does not exist|not found|No such"):
+            llm.engine.add_lora("missing", str(tmp_path / "missing"))
+        with pytest.raises(ValueError, match="not supported under tensor parallelism"):
+            llm.engine.add_finetune_job(random_training_data([6, 7], seed=1),
+                                        Hyperparameters.from_dict({"n_epochs": 1}))
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.slow

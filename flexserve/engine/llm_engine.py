@@ -289,6 +289,11 @@ class LLMEngine:
         from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
 
+        if self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("fine-tuning is not supported under tensor parallelism yet (this "
+                             "engine runs tensor_parallel_size "
+                             f"{self.config.parallel.tensor_parallel_size}): run jobs on a "
+                             "tensor_parallel_size 1 server")
         self._adapters()
         hp = hyperparameters
         job_id = job_id or f"ftjob-{next(self._job_ids)}"
@@ -496,9 +501,9 @@ class LLMEngine:
         adapters = self.scheduler.adapter_manager
         if adapters is None:
             if self.config.parallel.tensor_parallel_size > 1:
-                raise ValueError("LoRA adapters and fine-tuning are not supported under tensor "
-                                 "parallelism yet (this engine runs tensor_parallel_size "
-                                 f"{self.config.parallel.tensor_parallel_size})")
+                raise ValueError("LoRA is not enabled in this engine: under tensor parallelism "
+                                 "it is on only when asked for (enable_lora=True / "
+                                 "--enable-lora)")
             raise ValueError("LoRA is not enabled in this engine (it was built with "
                              "enable_lora=False / --no-enable-lora)")
         return adapters

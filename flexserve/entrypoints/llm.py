@@ -40,8 +40,9 @@ class LLM:
     default (`finetune` needs one per job, and
     `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters); a batch without
     adapters runs only the base GEMMs. `enable_lora=False` allocates none; with
-    `tensor_parallel_size` > 1 LoRA is off unless asked for (it is not supported there yet, so
-    asking is an error). `shutdown()` stops tensor-parallel workers. Offline there is no
+    `tensor_parallel_size` > 1 LoRA is off unless asked for (`enable_lora=True` or a LoRA
+    option): adapters are then served sharded over the ranks, and `finetune` is refused (jobs
+    need one device). `shutdown()` stops tensor-parallel workers. Offline there is no
     latency SLO unless `slo_tpot_ms` is given: fine-tuning windows then fill the token budget.
     """
 

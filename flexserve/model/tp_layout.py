@@ -96,6 +96,19 @@ class TensorParallelLayout:
             return (slice(self.vocab_start, self.vocab_end),)
         return None
 
+    def lora_shard(self, target: str, lora_a, lora_b):
+        """This rank's part of a LoRA adapter's A [r, in] and B [out, r] on projection `target`
+        (S-LoRA's split): a column-parallel projection's B by output rows like its weight, A
+        whole (its input is whole on every rank); a row-parallel projection's A by input
+        columns like its weight, B whole: each rank's delta is then partial like its base
+        output, and the all-reduce after the projection sums both."""
+        index = self.checkpoint_index(f"{target}.weight", (lora_b.shape[0], lora_a.shape[1]))
+        if index is None:
+            return lora_a, lora_b
+        if len(index) == 1:
+            return lora_a, lora_b[index[0]]
+        return lora_a[:, index[1]], lora_b
+
     def is_vocab_parallel(self, name: str) -> bool:
         return self.world_size > 1 and name.endswith(_VOCAB_ROWS)
 

@@ -81,11 +81,19 @@ class LoRAManager:
         self.slot_bytes = self.num_layers * sum(
             lora_config.max_lora_rank * (n_in + n_out) * element + 4
             for n_in, n_out in self.shapes.values())
-        budget = finetune_budget_bytes(finetune_config, device)
-        self.num_finetune_slots = finetune_slot_count(
-            lora_config.max_finetune_loras, self.slot_bytes, budget)
-        # What the jobs' training state may take: the budget less the slots.
-        self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes, 0)
+        # Under tensor parallelism this rank holds its shard of every adapter
+        # (`TensorParallelLayout.lora_shard`), and fine-tuning jobs do not run.
+        layout = getattr(model, "layout", None)
+        self.layout = layout if layout is not None and layout.world_size > 1 else None
+        if self.layout is None:
+            budget = finetune_budget_bytes(finetune_config, device)
+            self.num_finetune_slots = finetune_slot_count(
+                lora_config.max_finetune_loras, self.slot_bytes, budget)
+            # What the jobs' training state may take: the budget less the slots.
+            self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes,
+                                            0)
+        else:
+            self.num_finetune_slots = self.finetune_state_bytes = 0
         self.modules = attach_lora_linears(
             model, lora_config.max_loras + self.num_finetune_slots, lora_config.max_lora_rank)
         fold = getattr(model, "fold_lora_shrinks", None)
@@ -164,8 +172,10 @@ class LoRAManager:
                 pair = adapter.weights.get((layer, target))
                 if pair is None:
                     module.set_slot(slot, None, None)
-                else:
-                    module.set_slot(slot, pair[0], pair[1], adapter.scaling)
+                    continue
+                if self.layout is not None:
+                    pair = self.layout.lora_shard(target, *pair)
+                module.set_slot(slot, pair[0], pair[1], adapter.scaling)
             self.slot_ids[slot] = lora_request.lora_int_id
         return errors
 

@@ -21,8 +21,11 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flexserve.config import EngineConfig
+from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
+from flexserve.peft.bypass import target_shapes
+from flexserve.peft.peft_io import load_peft_adapter
 from flexserve.sampling_params import StructuredOutputsParams
 from flexserve.worker.structured_outputs import GrammarManager
 from flexserve.worker.tp_worker import WorkerError, WorkerReady, run_worker
@@ -62,6 +65,9 @@ class MultiprocExecutor:
         self._num_received = 0  # plans every rank has answered
         self._results: dict[int, StepResult] = {}  # rank 0's results not taken yet, by plan
         self._tokenizer, self._eos_token_id = tokenizer, eos_token_id
+        self._lora_config, self._hf_config = config.lora, resolved.hf_config
+        self._lora_ids: set[int] = set()  # adapters added and not removed
+        self._lora_lock = threading.Lock()
         self._grammars: GrammarManager | None = None
         self._grammars_lock = threading.Lock()
         try:
@@ -103,6 +109,32 @@ class MultiprocExecutor:
             return result
 
         return wait_result
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and validate the adapter here (ValueError with the reason), before a plan asks
+        the ranks for it: each rank reads it from disk into its host cache at its first slot
+        load and keeps its shard in the slot (`LoRAManager.load_slots`). Thread-safe."""
+        config = self._lora_config
+        if config is None:
+            raise ValueError("LoRA is not enabled in this engine")
+        load_peft_adapter(lora_request.lora_path, target_shapes(self._hf_config),
+                          self._hf_config.num_hidden_layers, config.max_lora_rank,
+                          config.allowed_dir_for(lora_request.lora_path))
+        with self._lora_lock:
+            self._lora_ids.add(lora_request.lora_int_id)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget the adapter (the ranks' host caches drop it as they fill); thread-safe."""
+        with self._lora_lock:
+            self._lora_ids.discard(lora_int_id)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters the ranks may hold in host memory (each rank's cache keeps at most
+        max_cpu_loras)."""
+        with self._lora_lock:
+            return min(len(self._lora_ids), self._lora_config.max_cpu_loras
+                       if self._lora_config is not None else 0)
 
     def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile the constraint here, so one that does not compile is refused (ValueError)
