@@ -240,7 +240,7 @@ class CoserveConfig:
             raise ValueError(f"latency_profile {self.latency_profile!r} is not a file")
 
 
-_EXECUTOR_BACKENDS = ("mp",)
+_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(slots=True)
@@ -248,15 +248,13 @@ class ParallelConfig:
     """How many devices serve the model and what drives them."""
 
     tensor_parallel_size: int = 1  # ranks each holding a shard of every layer (Megatron-LM)
-    # mp: one worker process per rank on this host; None: mp when tensor_parallel_size > 1
+    # mp: one worker process per rank on this host; ray: one Ray actor per rank on a Ray
+    # cluster (several hosts); None: mp when tensor_parallel_size > 1
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use 'mp' "
-                             "(worker processes on one host)")
         if backend is not None and backend not in _EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{_EXECUTOR_BACKENDS}, got {backend!r}")

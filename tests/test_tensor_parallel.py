@@ -31,7 +31,7 @@ from flexserve.model.llama import LlamaForCausalLM
 from flexserve.model.loader import iter_safetensors
 from flexserve.model.tp_layout import check_tensor_parallel
 from flexserve.sampling_params import SamplingParams
-from flexserve.worker.mp_executor import WorkerDiedError
+from flexserve.worker.distributed_executor import WorkerDiedError
 
 BLOCK_SIZE = 4
 # fp32: the ranks' partial sums add in another order than one GEMM does.
@@ -189,8 +189,8 @@ def test_non_dividing_size_is_refused_at_start_up(smollm2_dir):
 
 def test_unsupported_combinations_are_refused():
     assert EngineConfig(lora=LoRAConfig(), parallel=ParallelConfig(tensor_parallel_size=2)).lora
-    with pytest.raises(ValueError, match="'ray' is not supported yet"):
-        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="must be one of"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="threads")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=0)
     assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
@@ -403,6 +403,30 @@ def test_tp2_lora_adapters_match_one_process(tiny_tp_checkpoint, tmp_path):
                                         Hyperparameters.from_dict({"n_epochs": 1}))
     finally:
         llm.shutdown()
+
+
+def test_ray_backend_matches_one_process(tiny_tp_checkpoint):
+    """The ranks as actors of a local Ray cluster: one process's tokens; a rank killed
+    between steps makes the next step raise, naming it, and stops the other."""
+    ray = pytest.importorskip("ray")
+    one = LLM(tiny_tp_checkpoint, enable_lora=False, **ENGINE)
+    want, want_sampled = greedy_tokens(one, PROMPTS), sampled_tokens(one)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        llm = LLM(tiny_tp_checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray",
+                  **ENGINE)
+        try:
+            assert greedy_tokens(llm, PROMPTS) == want
+            assert sampled_tokens(llm) == want_sampled
+            ray.kill(llm.engine.executor.actors[1])
+            with pytest.raises(WorkerDiedError, match="rank 1"):
+                greedy_tokens(llm, PROMPTS[:1])
+            with pytest.raises(WorkerDiedError, match="rank 1"):
+                llm.engine.executor.execute(None)
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.slow

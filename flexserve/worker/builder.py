@@ -13,6 +13,7 @@ from flexserve.model.llama import check_supported
 from flexserve.model.loader import load_tokenizer
 from flexserve.model.registry import ResolvedModel, resolve_model
 from flexserve.model.tp_layout import check_tensor_parallel
+from flexserve.worker.distributed_executor import DistributedExecutor
 from flexserve.worker.model_runner import ModelRunner
 from flexserve.worker.mp_executor import MultiprocExecutor
 
@@ -35,9 +36,10 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
 
 def build_executor(
     config: EngineConfig,
-) -> tuple[ModelRunner | MultiprocExecutor, Any | None, ModelInfo]:
+) -> tuple[ModelRunner | DistributedExecutor, Any | None, ModelInfo]:
     """Load everything the engine needs; raises ValueError for a bad model or configuration.
-    Under tensor parallelism the executor is a `MultiprocExecutor` over worker processes."""
+    Under tensor parallelism the executor is a `MultiprocExecutor` over worker processes, or a
+    `RayExecutor` over Ray actors (`distributed_executor_backend`)."""
     resolved = resolve_model(config.model.model, config.model.load_format)
     max_model_len = resolve_max_model_len(config.model.max_model_len, resolved.hf_config)
     tokenizer = load_tokenizer(resolved, config.model.tokenizer)
@@ -47,7 +49,7 @@ def build_executor(
         if isinstance(eos, list):
             eos = eos[0] if eos else None
     if config.parallel.tensor_parallel_size > 1:
-        return _build_multiproc(config, resolved, max_model_len, tokenizer, eos)
+        return _build_distributed(config, resolved, max_model_len, tokenizer, eos)
     runner = ModelRunner(config, resolved)
     num_blocks = runner.initialize_kv_cache(max_model_len)
     _check_capacity(num_blocks, config.cache.block_size, max_model_len)
@@ -82,14 +84,20 @@ def build_executor(
     return runner, tokenizer, info
 
 
-def _build_multiproc(config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
-                     tokenizer: Any | None, eos: int | None
-                     ) -> tuple[MultiprocExecutor, Any | None, ModelInfo]:
+def _build_distributed(config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
+                       tokenizer: Any | None, eos: int | None
+                       ) -> tuple[DistributedExecutor, Any | None, ModelInfo]:
     world_size = config.parallel.tensor_parallel_size
     # Checked here, before any worker starts, for a start-up error that names the sizes.
     check_supported(resolved.hf_config, max_model_len)
     check_tensor_parallel(resolved.hf_config, world_size)
-    executor = MultiprocExecutor(config, resolved, max_model_len, tokenizer, eos)
+    if config.parallel.distributed_executor_backend == "ray":
+        from flexserve.worker.ray_executor import RayExecutor
+
+        executor: DistributedExecutor = RayExecutor(config, resolved, max_model_len, tokenizer,
+                                                    eos)
+    else:
+        executor = MultiprocExecutor(config, resolved, max_model_len, tokenizer, eos)
     ready = executor.ready
     try:
         _check_capacity(ready.num_blocks, config.cache.block_size, max_model_len)

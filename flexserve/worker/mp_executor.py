@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -21,13 +20,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flexserve.config import EngineConfig
-from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
-from flexserve.peft.bypass import target_shapes
-from flexserve.peft.peft_io import load_peft_adapter
-from flexserve.sampling_params import StructuredOutputsParams
-from flexserve.worker.structured_outputs import GrammarManager
+from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
 from flexserve.worker.tp_worker import WorkerError, WorkerReady, run_worker
 
 logger = logging.getLogger(__name__)
@@ -35,15 +30,12 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0  # how long ranks get to leave before they are terminated
 
 
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel rank exited or failed; the executor cannot run steps any more."""
-
-
-class MultiprocExecutor:
+class MultiprocExecutor(DistributedExecutor):
     """Drives `tensor_parallel_size` worker processes as one executor (`engine.executor`)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
                  tokenizer: Any | None, eos_token_id: int | None) -> None:
+        super().__init__(config, resolved, tokenizer, eos_token_id)
         world_size = config.parallel.tensor_parallel_size
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into workers
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -64,12 +56,6 @@ class MultiprocExecutor:
         self._num_sent = 0  # plans sent to the ranks
         self._num_received = 0  # plans every rank has answered
         self._results: dict[int, StepResult] = {}  # rank 0's results not taken yet, by plan
-        self._tokenizer, self._eos_token_id = tokenizer, eos_token_id
-        self._lora_config, self._hf_config = config.lora, resolved.hf_config
-        self._lora_ids: set[int] = set()  # adapters added and not removed
-        self._lora_lock = threading.Lock()
-        self._grammars: GrammarManager | None = None
-        self._grammars_lock = threading.Lock()
         try:
             self.ready: WorkerReady = self._receive_all()[0]
         except BaseException:
@@ -86,9 +72,6 @@ class MultiprocExecutor:
     def processes(self) -> tuple[BaseProcess, ...]:
         """The ranks' worker processes, in rank order."""
         return tuple(self._processes)
-
-    def execute(self, plan: BatchPlan) -> StepResult:
-        return self.execute_async(plan)()
 
     def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
         """Send the plan to every rank; the returned call waits for all of them (`AsyncExecutor`).
@@ -109,44 +92,6 @@ class MultiprocExecutor:
             return result
 
         return wait_result
-
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Read and validate the adapter here (ValueError with the reason), before a plan asks
-        the ranks for it: each rank reads it from disk into its host cache at its first slot
-        load and keeps its shard in the slot (`LoRAManager.load_slots`). Thread-safe."""
-        config = self._lora_config
-        if config is None:
-            raise ValueError("LoRA is not enabled in this engine")
-        load_peft_adapter(lora_request.lora_path, target_shapes(self._hf_config),
-                          self._hf_config.num_hidden_layers, config.max_lora_rank,
-                          config.allowed_dir_for(lora_request.lora_path))
-        with self._lora_lock:
-            self._lora_ids.add(lora_request.lora_int_id)
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        """Forget the adapter (the ranks' host caches drop it as they fill); thread-safe."""
-        with self._lora_lock:
-            self._lora_ids.discard(lora_int_id)
-
-    @property
-    def num_cpu_loras(self) -> int:
-        """Adapters the ranks may hold in host memory (each rank's cache keeps at most
-        max_cpu_loras)."""
-        with self._lora_lock:
-            return min(len(self._lora_ids), self._lora_config.max_cpu_loras
-                       if self._lora_config is not None else 0)
-
-    def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        """Compile the constraint here, so one that does not compile is refused (ValueError)
-        before it reaches the ranks (`StructuredOutputsExecutor`); thread-safe."""
-        with self._grammars_lock:
-            if self._grammars is None:
-                if self._tokenizer is None:
-                    raise ValueError("structured outputs need the model's tokenizer")
-                self._grammars = GrammarManager(
-                    self._tokenizer, self.ready.vocab_size,
-                    [] if self._eos_token_id is None else [self._eos_token_id])
-        self._grammars.compile(params)
 
     def shutdown(self) -> None:
         """Stop the ranks (terminating those that do not leave in time); idempotent."""

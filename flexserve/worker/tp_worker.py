@@ -51,14 +51,9 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
     # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        runner = _start(rank, world_size, init_method, config, resolved, max_model_len,
-                        eos_token_id)
-        conn.send(WorkerReady(
-            num_blocks=runner.num_blocks, vocab_size=runner.vocab_size,
-            device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
-            device_name=(torch.cuda.get_device_name(runner.device)
-                         if runner.device.type == "cuda" else "cpu"),
-            bytes_per_block=runner.kv_cache_spec.bytes_per_block))
+        runner = start_rank(rank, world_size, init_method, config, resolved, max_model_len,
+                            eos_token_id)
+        conn.send(worker_ready(runner))
     except Exception:
         conn.send(WorkerError(rank, traceback.format_exc()))
         destroy_tensor_parallel()
@@ -81,12 +76,26 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
         destroy_tensor_parallel()
 
 
-def _start(rank: int, world_size: int, init_method: str, config: EngineConfig,
-           resolved: ResolvedModel, max_model_len: int, eos_token_id: int | None) -> ModelRunner:
+def worker_ready(runner: ModelRunner) -> WorkerReady:
+    """The report of a rank whose runner is up."""
+    return WorkerReady(
+        num_blocks=runner.num_blocks, vocab_size=runner.vocab_size,
+        device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
+        device_name=(torch.cuda.get_device_name(runner.device)
+                     if runner.device.type == "cuda" else "cpu"),
+        bytes_per_block=runner.kv_cache_spec.bytes_per_block)
+
+
+def start_rank(rank: int, world_size: int, init_method: str, config: EngineConfig,
+               resolved: ResolvedModel, max_model_len: int, eos_token_id: int | None,
+               local_device: int | None = None) -> ModelRunner:
+    """Join the group and build this rank's runner on GPU `local_device` of this process (the
+    rank's index among the host's GPUs unless given: a Ray actor sees only its own GPU, 0)."""
     device = resolve_device(config.model.device)
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        config.model.device = f"cuda:{rank}"  # this process's copy of the config
+        index = rank if local_device is None else local_device
+        torch.cuda.set_device(index)
+        config.model.device = f"cuda:{index}"  # this process's copy of the config
         backend = "nccl"
     else:
         # The ranks share the host's cores: each takes its part instead of all of them.

@@ -42,9 +42,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks each holding a shard of every layer (Megatron-style tensor "
                             "parallelism); LoRA and fine-tuning are off above 1 [%(default)s]")
-    group.add_argument("--distributed-executor-backend", default=None, choices=("mp",),
+    group.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
                        help="what drives the ranks: mp, one worker process per rank on this "
-                            "host [mp when --tensor-parallel-size > 1]")
+                            "host; ray, one Ray actor per rank on the Ray cluster (RAY_ADDRESS "
+                            "or `ray start` on this host; several hosts) [mp when "
+                            "--tensor-parallel-size > 1]")
     group.add_argument("--state-dir", default=None,
                        help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
                             "~/.cache/flexserve]")
