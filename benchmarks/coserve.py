@@ -306,8 +306,9 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(format_row(row), flush=True)
 
     for policy_args, policies in groups.items():
+        # finetune-only first: the reference the co-served runs are measured against.
         runs = [(p, None if p == "finetune-only" or args.trace else r)
-                for p in policies
+                for p in sorted(policies, key=lambda p: p != "finetune-only")
                 for r in ([None] if p == "finetune-only" or args.trace else args.rates)]
         extra = list(policy_args)
         if "--coserve-policy" not in flags:

@@ -405,6 +405,48 @@ def test_tp2_lora_adapters_match_one_process(tiny_tp_checkpoint, tmp_path):
         llm.shutdown()
 
 
+def test_tp2_structured_outputs_and_logprobs_match_one_process(tiny_checkpoint):
+    """A grammar-constrained row (every rank compiles and masks the same) and logprobs with
+    prompt logprobs (from the gathered logits) next to each other, at 2 ranks and in one
+    process: the same text, tokens and log-probabilities (fp32 tolerance)."""
+    pytest.importorskip("xgrammar")
+    from _tokenizer import tiny_byte_level_tokenizer
+    from conftest import make_tiny_config
+
+    from flexserve.sampling_params import StructuredOutputsParams
+
+    path = tiny_checkpoint(make_tiny_config("llama", vocab_size=320), seed=4)
+    tiny_byte_level_tokenizer().save_pretrained(path)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=(
+                  StructuredOutputsParams(choice=["quick brown fox", "lazy dog"]))),
+              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=2)]
+
+    def run(llm):
+        choice, scored = llm.generate(["the quick", "over the lazy"], params, use_tqdm=False)
+        out = scored.outputs[0]
+        return choice.outputs[0].text, out.token_ids, [
+            {t: lp.logprob for t, lp in step.items()} for step in out.logprobs], [
+            None if step is None else {t: lp.logprob for t, lp in step.items()}
+            for step in scored.prompt_logprobs]
+
+    want = run(LLM(path, enable_lora=False, **ENGINE))
+    assert want[0] in ("quick brown fox", "lazy dog")
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    assert got[:2] == want[:2]
+    for ours, theirs in zip(got[2] + got[3], want[2] + want[3]):
+        if theirs is None:
+            assert ours is None
+            continue
+        assert ours.keys() == theirs.keys()
+        for token, logprob in theirs.items():
+            assert ours[token] == pytest.approx(logprob, abs=ATOL)
+
+
 def test_ray_backend_matches_one_process(tiny_tp_checkpoint):
     """The ranks as actors of a local Ray cluster: one process's tokens; a rank killed
     between steps makes the next step raise, naming it, and stops the other."""
