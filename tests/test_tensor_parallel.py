@@ -410,10 +410,10 @@ def test_tp2_structured_outputs_and_logprobs_match_one_process(tiny_checkpoint):
     prompt logprobs (from the gathered logits) next to each other, at 2 ranks and in one
     process: the same text, tokens and log-probabilities (fp32 tolerance)."""
     pytest.importorskip("xgrammar")
-    from _tokenizer import tiny_byte_level_tokenizer
     from conftest import make_tiny_config
-
     from flexserve.sampling_params import StructuredOutputsParams
+
+    from _tokenizer import tiny_byte_level_tokenizer
 
     path = tiny_checkpoint(make_tiny_config("llama", vocab_size=320), seed=4)
     tiny_byte_level_tokenizer().save_pretrained(path)
