@@ -25,7 +25,7 @@ from flexserve.engine.latency_model import LatencyModel, load_matching_profile, 
 from flexserve.engine.model_info import ModelInfo
 from flexserve.engine.plan import StepResult
 from flexserve.worker.profile_grid import FinetuneScenario, InferenceCase, ProfileGrid
-from flexserve.worker.profiler import fit_profile, profile_executor
+from flexserve.worker.profiler import fit_profile, profile_executor, recorded_samples
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,13 @@ def test_profile_pipeline_recovers_a_known_device():
     for name, value in model.coefficient_dict().items():
         assert value == pytest.approx(coefficients[name], rel=1e-6, abs=1e-12), name
     assert model.metadata["heldout"]["max_rel_error"] < 1e-9
+    # The measurements travel with the saved profile: a refit from them gives the same model.
+    saved = LatencyModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    grid_samples, heldout = recorded_samples(saved)
+    assert grid_samples == result.samples and heldout == result.heldout
+    assert LatencyModel.fit(grid_samples).coefficients == model.coefficients
+    with pytest.raises(ValueError, match="no recorded samples"):
+        recorded_samples(device)
     # The sequences' KV blocks (the first ones) never collide with the inference rows' blocks.
     finetune_blocks = {b for plan in executor.plans for start in plan.finetune_starts
                        for b in start.block_ids}

@@ -27,14 +27,14 @@ class IterationShape:
 
     def __add__(self, other: IterationShape) -> IterationShape:
         return IterationShape(*[getattr(self, name) + getattr(other, name)
-                                for name in _SHAPE_FIELDS])
+                                for name in SHAPE_FIELDS])
 
     @property
     def total_forward_tokens(self) -> int:
         return self.prefill_tokens + self.decode_rows + self.finetune_tokens
 
 
-_SHAPE_FIELDS = tuple(f.name for f in fields(IterationShape))
+SHAPE_FIELDS = tuple(f.name for f in fields(IterationShape))
 
 
 def _pairs(num_computed: int, num_new: int) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from flexserve import envs
-from flexserve.engine.iteration_shape import _SHAPE_FIELDS, IterationShape
+from flexserve.engine.iteration_shape import SHAPE_FIELDS, IterationShape
 
 
 class IterationTrace:
@@ -54,7 +54,7 @@ class IterationTrace:
 
     def record(self, shape: IterationShape, predicted: float, seconds: float, scale: float,
                mode: str | None, thread_seconds: float | None = None) -> None:
-        line: dict[str, Any] = {name: getattr(shape, name) for name in _SHAPE_FIELDS}
+        line: dict[str, Any] = {name: getattr(shape, name) for name in SHAPE_FIELDS}
         line.update(predicted=predicted, seconds=seconds, scale=scale, mode=mode,
                     thread_seconds=thread_seconds, time=time.time())
         self._write(line)
@@ -122,7 +122,7 @@ def load_trace(path: str) -> list[dict]:
                 record = json.loads(text)
                 if "event" in record:
                     continue
-                record["shape"] = IterationShape(**{n: int(record[n]) for n in _SHAPE_FIELDS})
+                record["shape"] = IterationShape(**{n: int(record[n]) for n in SHAPE_FIELDS})
                 float(record["seconds"])
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{number}: not an iteration trace record: {e}") from e

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from flexserve.engine.iteration_shape import IterationShape, plan_shape
+from flexserve.engine.iteration_shape import SHAPE_FIELDS, IterationShape, plan_shape
 from flexserve.engine.latency_model import LatencyModel
 from flexserve.engine.plan import (
     BackwardWindow,
@@ -314,4 +314,21 @@ def fit_profile(result: ProfileResult, metadata: dict | None = None) -> LatencyM
     model.metadata["median_rel_error"] = model.metadata["heldout"]["median_rel_error"]
     model.metadata["num_iterations"] = result.num_iterations
     model.metadata["profile_seconds"] = round(result.seconds, 3)
+    # The measurements themselves, so a profile can be refitted or studied off the device.
+    model.metadata["samples"] = {
+        "fields": [*SHAPE_FIELDS, "seconds"],
+        "grid": [[*astuple(shape), seconds] for shape, seconds in result.samples],
+        "heldout": [[*astuple(shape), seconds] for shape, seconds in result.heldout]}
     return model
+
+
+def recorded_samples(model: LatencyModel
+                     ) -> tuple[list[tuple[IterationShape, float]], list[tuple[IterationShape,
+                                                                                float]]]:
+    """The (grid, held-out) measurements a profile was fitted and checked on (`fit_profile`);
+    ValueError for a profile that did not record them."""
+    recorded = model.metadata.get("samples")
+    if not isinstance(recorded, dict) or recorded.get("fields") != [*SHAPE_FIELDS, "seconds"]:
+        raise ValueError("this latency profile has no recorded samples of this version")
+    return tuple([(IterationShape(*row[:-1]), float(row[-1])) for row in recorded[kind]]
+                 for kind in ("grid", "heldout"))  # type: ignore[return-value]
