@@ -472,15 +472,33 @@ def test_ray_backend_matches_one_process(tiny_tp_checkpoint):
 
 
 @pytest.mark.slow
-def test_tp3_smollm2_greedy_matches_one_process(smollm2_dir):
+def test_tp3_smollm2_greedy_matches_one_process(smollm2_dir, tmp_path):
+    """SmolLM2 (9 heads, 3 key/value heads) at 3 ranks, with chunked prefill, prefix caching
+    and a LoRA adapter on every projection beside base-model rows: one process's tokens."""
+    from _hf_training import save_random_peft_adapter
+
     prompts = ["The capital of France is", "def fibonacci(n):\n    ",
                "The capital of France is a city that"]
     engine = dict(num_blocks=64, block_size=16, max_num_batched_tokens=16, max_model_len=256,
                   enable_prefix_caching=True)
-    want = greedy_tokens(LLM(smollm2_dir, enable_lora=False, **engine), prompts, 12)
-    llm = LLM(smollm2_dir, tensor_parallel_size=3, **engine)
+    adapter = save_random_peft_adapter(
+        smollm2_dir, tmp_path / "adapter", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                            "up_proj", "down_proj"],
+        torch.Generator().manual_seed(5), 0.05)
+    requests = [LoRARequest("a", 1, adapter), None, LoRARequest("a", 1, adapter)]
+
+    def with_adapter(llm):
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(
+            prompts, params, lora_request=requests, use_tqdm=False)]
+
+    one = LLM(smollm2_dir, max_loras=1, **engine)
+    want, want_lora = greedy_tokens(one, prompts, 12), with_adapter(one)
+    assert want_lora[0] != want[0]  # the adapter changes the tokens
+    llm = LLM(smollm2_dir, tensor_parallel_size=3, max_loras=1, **engine)
     try:
         assert greedy_tokens(llm, prompts, 12) == want
+        assert with_adapter(llm) == want_lora
         with pytest.raises(ValueError, match="not supported under tensor parallelism"):
             llm.finetune([{"text": "Paris is the capital of France."}])
     finally:
