@@ -181,7 +181,7 @@ def test_backward_pieces_train_what_eager_windows_train(targets, tiny_config, ti
                                                         tmp_path, monkeypatch):
     """The backward windows as padded pieces around an eager attention (what the CUDA graphs
     capture) give the eager windows' adapter: the padding rows add exactly zero, and only the
-    GEMMs' row count differs (fp32 rounding)."""
+    GEMMs' row count differs (fp32 rounding: within 1e-6 of each tensor's norm)."""
     from flexserve.worker.finetune.runner import FinetuneRunner
 
     model_dir, adapter_dir, _, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path, targets)
@@ -192,9 +192,10 @@ def test_backward_pieces_train_what_eager_windows_train(targets, tiny_config, ti
     assert by_eager["graphs"] == 0 and by_eager["eager"] == by_pieces["graphs"]
     assert by_eager["together"] == 0
     assert pieces.keys() == eager.keys()
+    # Per tensor, relative to its norm (a single entry whose gradient is near zero moves with
+    # Adam's normalization of a rounding difference, so no entry-wise bound).
     for key in pieces:
-        scale = eager[key].abs().max().item()
-        assert (pieces[key] - eager[key]).abs().max().item() <= 1e-6 * scale, key
+        assert float((pieces[key] - eager[key]).norm() / eager[key].norm()) <= 1e-6, key
 
 
 def test_backward_buffers_pad_and_clear_the_tail():
