@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -447,9 +448,10 @@ def test_tp2_structured_outputs_and_logprobs_match_one_process(tiny_checkpoint):
             assert ours[token] == pytest.approx(logprob, abs=ATOL)
 
 
-def test_ray_backend_matches_one_process(tiny_tp_checkpoint):
+def test_ray_backend_matches_one_process(tiny_tp_checkpoint, monkeypatch):
     """The ranks as actors of a local Ray cluster: one process's tokens; a rank killed
-    between steps makes the next step raise, naming it, and stops the other."""
+    between steps makes the next step raise, naming it, and stops the other; a cluster without
+    room for every rank, or no Ray, is refused at start-up."""
     ray = pytest.importorskip("ray")
     one = LLM(tiny_tp_checkpoint, enable_lora=False, **ENGINE)
     want, want_sampled = greedy_tokens(one, PROMPTS), sampled_tokens(one)
@@ -467,8 +469,20 @@ def test_ray_backend_matches_one_process(tiny_tp_checkpoint):
                 llm.engine.executor.execute(None)
         finally:
             llm.shutdown()
+        # More ranks than the cluster has room for: refused at start-up, naming its resources.
+        import flexserve.worker.ray_executor as ray_executor
+
+        monkeypatch.setattr(ray_executor, "PLACEMENT_TIMEOUT_S", 2.0)
+        with pytest.raises(ValueError, match="has no room for 4 ranks"):
+            LLM(tiny_tp_checkpoint, tensor_parallel_size=4, distributed_executor_backend="ray",
+                **ENGINE)
     finally:
         ray.shutdown()
+    # Without Ray installed the backend names the extra to install.
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ValueError, match=r"flexserve\[ray\]"):
+        LLM(tiny_tp_checkpoint, tensor_parallel_size=2, distributed_executor_backend="ray",
+            **ENGINE)
 
 
 @pytest.mark.slow
