@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flexserve.config import ModelConfig
 from flexserve.layers.attention import AttentionMetadata
@@ -38,7 +40,7 @@ from flexserve.worker.finetune.activation_store import (
     unpack_bits,
 )
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_buffers
-from flexserve.worker.finetune.window_loss import window_loss_async
+from flexserve.worker.finetune.window_loss import SequenceTargets, window_loss_async
 from flexserve.worker.lora_manager import attach_lora_linears
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
@@ -257,8 +259,8 @@ class CoServing:
                 s = next(s for s in seqs if s.store is w.store)
                 grad_out = s.backward.residual_grad[w.start:w.start + w.num_tokens]
                 loss = window_loss_async(
-                    model, capture.final_stream(index), s.ids, s.mask, w.start, grad_out,
-                    1.0 / total, chunk_rows=rng.randint(1, 9)).result()
+                    model, capture.final_stream(index), SequenceTargets(s.ids, s.mask, "cpu"),
+                    w.start, grad_out, 1.0 / total, chunk_rows=rng.randint(1, 9)).result()
                 loss_sum += loss.loss_sum
                 num_loss += loss.num_tokens
         assert num_loss == total
@@ -567,8 +569,8 @@ def test_chunked_window_loss_equals_unchunked_and_autograd(tiny):
     results = []
     for chunk_rows in (1, 3, 1000):
         grad = torch.full((n, hf_config.hidden_size), float("nan"))
-        results.append((window_loss_async(model, stream, ids, mask, start, grad, scale,
-                                          chunk_rows).result(),
+        results.append((window_loss_async(model, stream, SequenceTargets(ids, mask, "cpu"),
+                                          start, grad, scale, chunk_rows).result(),
                         grad))
     positions = [p for p in range(start, 29) if mask[p + 1]]
     for loss, grad in results:
@@ -607,8 +609,9 @@ def test_window_accuracy_counts_argmax_hits_whatever_the_split(tiny):
             num_correct = num_tokens = 0
             for start, end in zip(bounds, bounds[1:]):
                 grad = torch.zeros(end - start, hf_config.hidden_size)
-                loss = window_loss_async(model, stream[start:end], ids, mask, start, grad,
-                                         1.0, chunk_rows).result()
+                loss = window_loss_async(model, stream[start:end],
+                                         SequenceTargets(ids, mask, "cpu"), start, grad, 1.0,
+                                         chunk_rows).result()
                 num_correct += loss.num_correct
                 num_tokens += loss.num_tokens
             assert (num_correct, num_tokens) == (expected, len(positions)), (bounds, chunk_rows)
@@ -656,3 +659,26 @@ def test_dropout_masks_are_split_invariant_bernoulli():
         packed = pack_bits(mask)
         assert packed.dtype == torch.uint8 and packed.shape == (5, math.ceil(width / 8))
         assert torch.equal(unpack_bits(packed, width), mask)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.booleans(), min_size=1, max_size=40), st.data())
+def test_sequence_targets_give_each_window_its_counted_targets(mask, data):
+    """A window's rows and targets from the sequence's targets found once equal a pass over
+    the window's own tokens (logits at p predict token p + 1, counted where mask[p + 1])."""
+    n = len(mask)
+    ids = [(7 * i + 3) % 50 for i in range(n)]
+    targets = SequenceTargets(ids, mask, "cpu")
+    start = data.draw(st.integers(0, n - 1))
+    size = data.draw(st.integers(1, n - start))
+    positions = [p for p in range(start, min(start + size, n - 1)) if mask[p + 1]]
+    rows, target_ids = targets.window(start, size)
+    if not positions:
+        assert rows is None and target_ids is None
+    else:
+        assert rows.tolist() == [p - start for p in positions]
+        assert target_ids.tolist() == [ids[p + 1] for p in positions]
+    with pytest.raises(ValueError, match="does not fit"):
+        targets.window(start, n - start + 1)
+    with pytest.raises(ValueError, match="mask entries"):
+        SequenceTargets(ids, mask + [True], "cpu")

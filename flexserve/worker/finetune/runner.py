@@ -62,6 +62,7 @@ from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTe
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
 from flexserve.worker.finetune.window_loss import (
     PendingWindowLoss,
+    SequenceTargets,
     copy_window_losses,
     window_logprob_sum_async,
     window_loss_async,
@@ -92,6 +93,12 @@ class _Sequence:
     start: FinetuneSequenceStart
     store: ActivationStore | None  # None: a reference sequence (forward only, nothing kept)
     backward: SequenceBackward | None
+    targets: SequenceTargets | None = None  # its counted targets, found at its first window
+
+    def window_targets(self, device: torch.device) -> SequenceTargets:
+        if self.targets is None:
+            self.targets = SequenceTargets(self.start.token_ids, self.start.loss_mask, device)
+        return self.targets
 
 
 class _Job:
@@ -459,7 +466,7 @@ class FinetuneRunner:
                 if fault == "nan_loss":
                     hidden = hidden * float("nan")
                 self._pending_losses.append((window, False, window_loss_async(
-                    self.model, hidden, start.token_ids, start.loss_mask, window.start,
+                    self.model, hidden, seq.window_targets(hidden.device), window.start,
                     grad_out, start.loss_scale, self.loss_chunk_rows)))
             except Exception as e:  # this job's failure (OOM included), never the engine's
                 self._fail(window.job_id, e, errors, "its forward window's loss")
@@ -508,9 +515,8 @@ class FinetuneRunner:
             seq = self._sequence(window.job_id, window.sequence_id)
             if seq is not None and seq.store is None and window.job_id not in errors:
                 try:
-                    start = seq.start
                     self._pending_losses.append((window, True, window_logprob_sum_async(
-                        self.model, hidden[row:row + n], start.token_ids, start.loss_mask,
+                        self.model, hidden[row:row + n], seq.window_targets(hidden.device),
                         window.start, self.loss_chunk_rows)))
                 except Exception as e:  # this job's failure (OOM included), never the engine's
                     self._fail(window.job_id, e, errors, "its reference window")

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,22 +34,33 @@ DEFAULT_CHUNK_ROWS = 1024
 MIN_GEMM_ROWS = 8
 
 
-def _window_targets(token_ids: Sequence[int], loss_mask: Sequence[bool], start: int, n: int,
-                    chunk_rows: int, device: torch.device
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(window rows, target ids) of the counted targets of window [start, start + n) on
-    `device`, int64; (None, None) when none counts. ValueError when the window does not fit."""
-    if len(loss_mask) != len(token_ids) or not 0 <= start <= len(token_ids) - n:
-        raise ValueError(f"window [{start}, {start + n}) does not fit {len(token_ids)} tokens with "
-                         f"{len(loss_mask)} mask entries")
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    positions = [p for p in range(start, min(start + n, len(token_ids) - 1)) if loss_mask[p + 1]]
-    if not positions:
-        return None, None
-    rows = to_device([p - start for p in positions], device, torch.int64)
-    targets = to_device([token_ids[p + 1] for p in positions], device, torch.int64)
-    return rows, targets
+class SequenceTargets:
+    """A sequence's counted targets, found once: the positions p whose next token counts
+    (loss_mask[p + 1]) and those tokens, on the host (to find a window's share by bisection)
+    and on the device (sliced per window: a window costs no host pass over its tokens and no
+    copy to the device)."""
+
+    def __init__(self, token_ids: Sequence[int], loss_mask: Sequence[bool],
+                 device: torch.device | str) -> None:
+        if len(loss_mask) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens with {len(loss_mask)} mask entries")
+        self.num_tokens = len(token_ids)
+        mask = np.asarray(loss_mask, dtype=bool)[1:]
+        self.positions = np.flatnonzero(mask).astype(np.int64)
+        ids = np.asarray(token_ids, dtype=np.int64)
+        self._positions = to_device(torch.from_numpy(self.positions), device)
+        self._targets = to_device(torch.from_numpy(ids[1:][mask]), device)
+
+    def window(self, start: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(window rows, target ids) of the counted targets of window [start, start + n), on
+        the device, int64; (None, None) when none counts. ValueError when it does not fit."""
+        if not 0 <= start <= self.num_tokens - n:
+            raise ValueError(f"window [{start}, {start + n}) does not fit {self.num_tokens} "
+                             "tokens")
+        first, last = (int(i) for i in np.searchsorted(self.positions, (start, start + n)))
+        if first == last:
+            return None, None
+        return self._positions[first:last] - start, self._targets[first:last]
 
 
 def _accumulators(weight: torch.Tensor, device: torch.device
@@ -122,8 +134,7 @@ def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]
 def window_loss_async(
     model: Any,
     stream: torch.Tensor,
-    token_ids: Sequence[int],
-    loss_mask: Sequence[bool],
+    targets: SequenceTargets,
     start: int,
     grad_out: torch.Tensor,
     grad_scale: float,
@@ -132,7 +143,7 @@ def window_loss_async(
     """Cross-entropy of a window and grad_scale x its gradient w.r.t. the window's stream.
 
     stream [n, hidden]: the last layer's output (before the final norm) at positions
-    [start, start + n) of a sequence whose tokens are `token_ids` (loss_mask alike).
+    [start, start + n) of a sequence whose counted targets are `targets`.
     grad_out [n, hidden] fp32 (the window's rows of the sequence's residual-gradient buffer)
     receives grad_scale * d(sum of the window's CE)/d(stream), zero on rows without a target;
     grad_scale is 1 / (loss tokens of the whole step) for a mean loss. Also counts the targets
@@ -143,13 +154,15 @@ def window_loss_async(
     if tuple(grad_out.shape) != (n, hidden) or grad_out.dtype != torch.float32:
         raise ValueError(f"grad_out must be fp32 [{n}, {hidden}], got {grad_out.dtype} "
                          f"{tuple(grad_out.shape)}")
-    rows, targets = _window_targets(token_ids, loss_mask, start, n, chunk_rows, stream.device)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    rows, target_ids = targets.window(start, n)
     grad_out.zero_()
     if rows is None:
         return PendingWindowLoss(None, 0)
     norm, weight = model.model.norm, model.lm_head.weight
     loss_dtype, total, correct = _accumulators(weight, stream.device)
-    for index, chunk_targets, x in _chunks(stream, rows, targets, chunk_rows):
+    for index, chunk_targets, x in _chunks(stream, rows, target_ids, chunk_rows):
         num = index.shape[0]
         logits = F.linear(rmsnorm_forward(x, norm.weight, norm.variance_epsilon), weight)
         correct += (logits[:num].argmax(dim=-1) == chunk_targets).sum()
@@ -179,8 +192,7 @@ def window_loss_async(
 def window_logprob_sum_async(
     model: Any,
     hidden: torch.Tensor,
-    token_ids: Sequence[int],
-    loss_mask: Sequence[bool],
+    targets: SequenceTargets,
     start: int,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> PendingWindowLoss:
@@ -190,13 +202,14 @@ def window_logprob_sum_async(
     [start, start + n). The same targets, wide log-softmax and chunking as `window_loss`; the
     summed log-probability of the targets is -loss_sum.
     """
-    rows, targets = _window_targets(token_ids, loss_mask, start, hidden.shape[0], chunk_rows,
-                                    hidden.device)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    rows, target_ids = targets.window(start, hidden.shape[0])
     if rows is None:
         return PendingWindowLoss(None, 0)
     weight = model.lm_head.weight
     loss_dtype, total, correct = _accumulators(weight, hidden.device)
-    for index, chunk_targets, x in _chunks(hidden, rows, targets, chunk_rows):
+    for index, chunk_targets, x in _chunks(hidden, rows, target_ids, chunk_rows):
         logits = F.linear(x, weight)[:index.shape[0]]
         correct += (logits.argmax(dim=-1) == chunk_targets).sum()
         logprobs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
