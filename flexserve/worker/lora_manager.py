@@ -96,6 +96,9 @@ class LoRAManager:
             self.num_finetune_slots = self.finetune_state_bytes = 0
         self.modules = attach_lora_linears(
             model, lora_config.max_loras + self.num_finetune_slots, lora_config.max_lora_rank)
+        if self.layout is not None:  # this rank's shard of a slot
+            self.slot_bytes = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes + 4
+                                  for m in self.modules.values())
         fold = getattr(model, "fold_lora_shrinks", None)
         if fold is not None:  # merged GEMMs (GPU path): decode shrinks ride in them
             num_folded = fold()
