@@ -4,7 +4,7 @@ random Llama: 2 layers, hidden 128, GQA 4:2).
 - Greedy packing makes first-fit-decreasing bins under a token (and KV-block) capacity.
 - Packed, a job of short examples runs in far fewer iterations than one sequence at a time, and
   trains the same adapter: packed, unpacked and an HF transformers + peft + AdamW loop agree.
-  The truth is that loop in fp64; the bound is the fine-tuning issue's: relative error of the
+  The truth is that loop in fp64; the bound is the fine-tuning exactness tests': relative error of the
   weight change over all adapter tensors <= max(1e-4, the fp32 HF loop's own error).
 - Two jobs running concurrently in one engine (their windows in the same iterations, with
   inference rows beside them) each end with the adapter that job trains alone.

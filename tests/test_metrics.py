@@ -66,7 +66,7 @@ def value(samples, name: str, **labels) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 
 
-def test_metrics_parse_with_the_names_of_the_issue(server):
+def test_metrics_parse_with_their_documented_names(server):
     response = httpx.get(server.url + "/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
