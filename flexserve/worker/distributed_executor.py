@@ -11,6 +11,7 @@ raises `WorkerDiedError`, and every later step raises it too.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel rank exited or failed; the executor cannot run steps any more."""
 
 
-class DistributedExecutor:
+class DistributedExecutor(ABC):
     """The engine-side half of a tensor-parallel executor; subclasses start the ranks, set
     `ready` (rank 0's `WorkerReady`) and implement `execute_async` and `shutdown`."""
 
@@ -47,14 +48,14 @@ class DistributedExecutor:
     def execute(self, plan: BatchPlan) -> StepResult:
         return self.execute_async(plan)()
 
+    @abstractmethod
     def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
         """Send the plan to every rank; the returned call waits for all of them (rank 0's
         result). Plans run in the order sent, so a continuation plan follows the one before."""
-        raise NotImplementedError
 
+    @abstractmethod
     def shutdown(self) -> None:
         """Stop the ranks; idempotent."""
-        raise NotImplementedError
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and validate the adapter here (ValueError with the reason), before a plan asks
