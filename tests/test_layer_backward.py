@@ -40,7 +40,12 @@ from flexserve.worker.finetune.activation_store import (
     unpack_bits,
 )
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_buffers
-from flexserve.worker.finetune.window_loss import SequenceTargets, window_loss_async
+from flexserve.worker.finetune.window_loss import (
+    SequenceTargets,
+    WindowLoss,
+    copy_window_losses,
+    window_loss_async,
+)
 from flexserve.worker.lora_manager import attach_lora_linears
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
@@ -52,6 +57,11 @@ BLOCK_SIZE = 4
 JOB_SLOT, OTHER_SLOT, MAX_LORAS, MAX_RANK = 1, 0, 2, 16
 DROPOUT_SEED = 1234
 
+
+
+def window_loss(*args, **kwargs) -> WindowLoss:
+    """`window_loss_async`, read back at once."""
+    return copy_window_losses([window_loss_async(*args, **kwargs)]).read()[0]
 
 @dataclass(frozen=True)
 class Plan:
@@ -258,9 +268,9 @@ class CoServing:
             for index, w in zip(windows, capture.windows if capture else []):
                 s = next(s for s in seqs if s.store is w.store)
                 grad_out = s.backward.residual_grad[w.start:w.start + w.num_tokens]
-                loss = window_loss_async(
+                loss = window_loss(
                     model, capture.final_stream(index), SequenceTargets(s.ids, s.mask, "cpu"),
-                    w.start, grad_out, 1.0 / total, chunk_rows=rng.randint(1, 9)).result()
+                    w.start, grad_out, 1.0 / total, chunk_rows=rng.randint(1, 9))
                 loss_sum += loss.loss_sum
                 num_loss += loss.num_tokens
         assert num_loss == total
@@ -569,8 +579,8 @@ def test_chunked_window_loss_equals_unchunked_and_autograd(tiny):
     results = []
     for chunk_rows in (1, 3, 1000):
         grad = torch.full((n, hf_config.hidden_size), float("nan"))
-        results.append((window_loss_async(model, stream, SequenceTargets(ids, mask, "cpu"),
-                                          start, grad, scale, chunk_rows).result(),
+        results.append((window_loss(model, stream, SequenceTargets(ids, mask, "cpu"),
+                                    start, grad, scale, chunk_rows),
                         grad))
     positions = [p for p in range(start, 29) if mask[p + 1]]
     for loss, grad in results:
@@ -609,9 +619,9 @@ def test_window_accuracy_counts_argmax_hits_whatever_the_split(tiny):
             num_correct = num_tokens = 0
             for start, end in zip(bounds, bounds[1:]):
                 grad = torch.zeros(end - start, hf_config.hidden_size)
-                loss = window_loss_async(model, stream[start:end],
-                                         SequenceTargets(ids, mask, "cpu"), start, grad, 1.0,
-                                         chunk_rows).result()
+                loss = window_loss(model, stream[start:end],
+                                   SequenceTargets(ids, mask, "cpu"), start, grad, 1.0,
+                                   chunk_rows)
                 num_correct += loss.num_correct
                 num_tokens += loss.num_tokens
             assert (num_correct, num_tokens) == (expected, len(positions)), (bounds, chunk_rows)

@@ -230,13 +230,9 @@ class Scheduler:
         """
         rows = previous.sequences
         finetune = self.finetune.has_work()
-        if self.waiting or len(rows) != len(self.running):
-            return None
-        if finetune or previous.has_finetune_work:
-            if not (finetune and self.hybrid.plans_ahead and not previous.optimizer_steps
-                    and not previous.finished_finetune_sequences):
-                return None
-        elif not rows:
+        if (self.waiting or len(rows) != len(self.running) or previous.optimizer_steps
+                or previous.finished_finetune_sequences or (finetune and not self.hybrid.plans_ahead)
+                or not (rows or finetune)):
             return None
         for row, request in zip(rows, self.running):
             params = request.sampling_params

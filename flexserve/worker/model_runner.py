@@ -25,7 +25,7 @@ from flexserve.engine.plan import (
 )
 from flexserve.finetune.checkpoint import read_optimizer_state
 from flexserve.layers.attention import AttentionMetadata
-from flexserve.layers.device_copy import to_device
+from flexserve.layers.device_copy import HostCopy, to_device
 from flexserve.layers.forward_context import set_forward_context
 from flexserve.layers.lora_linear import LoRALinear
 from flexserve.layers.sampler import (
@@ -156,7 +156,7 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         # CUDA: their copy on its way to pinned host memory and the event that marks it landed
         # (structured outputs read them from there without waiting for the next forward)
-        self._last_sampled_host: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._last_sampled_host: HostCopy | None = None
         # Structured outputs: the tokenizer their grammars are compiled against (`set_tokenizer`)
         # and the matchers, made with the first constrained request.
         self._tokenizer: Any | None = None
@@ -546,9 +546,7 @@ class ModelRunner:
         """The previous plan's sampled tokens on the host. On CUDA from their copy, which was
         queued before this step's forward: reading the device tensor would wait for that."""
         if self._last_sampled_host is not None:
-            host, copied = self._last_sampled_host
-            copied.synchronize()
-            return host.tolist()
+            return self._last_sampled_host.tolist()
         return self._last_sampled.tolist()
 
     def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
@@ -612,13 +610,9 @@ class ModelRunner:
         sampled = result.sampled_token_ids
         if metadata.max_num_logprobs is None:
             if deferred and self.device.type == "cuda":
-                host = out.sampled_token_ids.to("cpu", non_blocking=True)  # into pinned memory
-                copied = torch.cuda.Event()
-                copied.record()
-                self._last_sampled_host = (host, copied)
+                host = self._last_sampled_host = HostCopy(out.sampled_token_ids)
 
                 def fill() -> None:
-                    copied.synchronize()
                     for row, token_id in zip(sampled_rows, host.tolist()):
                         sampled[row.request_id] = token_id
 

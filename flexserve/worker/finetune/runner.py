@@ -3,8 +3,8 @@ each running sequence's activation store and layer-wise backward (FlexLLM 5.2, 6
 
 The model runner calls, per step: `start_sequences` (plan.finetune_starts), `capture_windows`
 before the shared forward (so the model's layers hand the windows' tensors to their stores),
-`window_losses` after it, then `run_backward` (plan.backward_windows), `read_losses` (the
-step's one wait for the device: every window's loss is queued until then), `optimizer_steps`
+`window_losses` after it, then `run_backward` (plan.backward_windows), `read_losses` (every
+window's loss, queued on the device until then, copied to the host at once), `optimizer_steps`
 and `finish_sequences`; `reference_logprobs` after the forward when the plan has DPO reference
 windows (sequences started with `reference`: no activation store, no backward, only the summed
 log-probability of their loss tokens), and `run_backward` first scales the loss gradient of the
@@ -474,9 +474,9 @@ class FinetuneRunner:
     def read_losses(self, losses: dict, errors: dict[str, str], later: bool = False
                     ) -> Callable[[], None] | None:
         """The step's window losses and reference log-probabilities into `losses` as (sum,
-        tokens, correct), copied from the device at once (the step's one wait); a non-finite one
-        fails its job. `later`: only start the copy, and return the call that waits for it and
-        folds the losses in (a step whose result is waited for after the next one launched)."""
+        tokens, correct), copied from the device at once; a non-finite one fails its job.
+        `later`: only start the copy, and return the call that waits for it and folds the
+        losses in (a step whose result is waited for after the next one launched)."""
         pending, self._pending_losses = self._pending_losses, []
         if not pending:
             return None

@@ -97,9 +97,6 @@ class PendingWindowLoss:
     sums: torch.Tensor | None  # [2] on the device: the cross-entropy sum, the correct count
     num_tokens: int  # how many targets counted (known on the host)
 
-    def result(self) -> WindowLoss:
-        return read_window_losses([self])[0]
-
 
 @dataclass(slots=True)
 class WindowLossCopy:
@@ -124,11 +121,6 @@ def copy_window_losses(pending: Sequence[PendingWindowLoss]) -> WindowLossCopy:
     """Start the copy of `pending` windows' losses to the host, one copy for them all."""
     on_device = [p.sums for p in pending if p.sums is not None]
     return WindowLossCopy(list(pending), HostCopy(torch.stack(on_device)) if on_device else None)
-
-
-def read_window_losses(pending: Sequence[PendingWindowLoss]) -> list[WindowLoss]:
-    """The losses of `pending` windows on the host (waits for them)."""
-    return copy_window_losses(pending).read()
 
 
 def window_loss_async(
