@@ -195,9 +195,6 @@ class ModelRunner:
         # Graphs replay the Triton path only (the torch reference attention is not graph-safe).
         graphs = (self.device.type == "cuda" and not self.config.model.enforce_eager
                   and use_triton(self.device))
-        if graphs and self.tp.world_size > 1:
-            logger.info("CUDA graphs are off under tensor parallelism: steps run eagerly")
-            graphs = False
         if graphs:
             self.graph_runner = CUDAGraphRunner(
                 self.model, self.config.scheduler.max_num_seqs, max_model_len, self.block_size,
