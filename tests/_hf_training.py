@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 
 
-def train_hf_peft(model_dir, adapter_dir, examples, steps, lr, dtype) -> dict[str, torch.Tensor]:
+def train_hf_peft(model_dir, adapter_dir, examples, steps, lr, dtype,
+                  max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
     """The adapter after training `examples` (flexserve `TrainingExample`s) in `steps` (example
-    indices per optimizer step), starting from the PEFT adapter in `adapter_dir`; fp64 copies
-    keyed by parameter name without the `.default` adapter suffix."""
+    indices per optimizer step), starting from the PEFT adapter in `adapter_dir`, gradients
+    clipped to `max_grad_norm` when given; fp64 copies keyed by parameter name without the
+    `.default` adapter suffix."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -26,6 +28,8 @@ def train_hf_peft(model_dir, adapter_dir, examples, steps, lr, dtype) -> dict[st
                                                    reduction="sum")
             loss = loss + ce / n
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
     return {k.replace(".default", ""): p.detach().double()

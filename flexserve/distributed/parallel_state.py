@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
 
 class TensorParallelGroup:
     """A rank of a tensor-parallel group; world size 1 without torch.distributed."""
@@ -26,10 +28,11 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = world_size
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `x` (in place)."""
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sum (op "sum"), maximum ("max") or minimum ("min") of every rank's `x`, in
+        place."""
         if self.world_size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, op=_REDUCE_OPS[op])
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

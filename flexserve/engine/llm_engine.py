@@ -289,11 +289,6 @@ class LLMEngine:
         from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
 
-        if self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("fine-tuning is not supported under tensor parallelism yet (this "
-                             "engine runs tensor_parallel_size "
-                             f"{self.config.parallel.tensor_parallel_size}): run jobs on a "
-                             "tensor_parallel_size 1 server")
         self._adapters()
         hp = hyperparameters
         job_id = job_id or f"ftjob-{next(self._job_ids)}"

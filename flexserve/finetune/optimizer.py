@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -113,12 +113,18 @@ class AdapterOptimizer:
         """
         return float(self.step_norm())
 
-    def step_norm(self) -> torch.Tensor:
-        """`step` without waiting for the device: the norm stays a 0-d tensor on it."""
+    def step_norm(self, total_norm: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """`step` without waiting for the device: the norm stays a 0-d tensor on it.
+        `total_norm`: the norm to clip by, when these tensors are part of a larger adapter
+        (a tensor-parallel rank's part: `ShardedAdapter.total_norm`); else their own."""
         if self.num_completed_steps >= self.num_training_steps:
             raise RuntimeError(f"all {self.num_training_steps} planned optimizer steps are done")
         masters = list(self.masters.values())
-        if self.max_grad_norm is not None:
+        if total_norm is not None:
+            norm = total_norm()
+            if self.max_grad_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(masters, self.max_grad_norm, norm)
+        elif self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(masters, self.max_grad_norm)
         else:
             norm = torch.nn.utils.get_total_norm([m.grad for m in masters])

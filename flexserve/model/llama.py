@@ -310,7 +310,10 @@ class LlamaDecoderLayer(nn.Module):
         capture.take(i, "k", k)
         hidden = attn.attn(q, k, v)
         capture.take(i, "attn", hidden)
-        hidden = _project_captured(attn.o, (attn.o_proj,), hidden, meta, capture)[0]
+        # Row-parallel outputs (and their partial LoRA deltas) are summed over the ranks before
+        # they are kept: the stored o_out and down_out are whole, as on one rank.
+        hidden = attn.tp.all_reduce(
+            _project_captured(attn.o, (attn.o_proj,), hidden, meta, capture)[0])
         capture.take(i, "o_out", hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         capture.take(i, "x_mid", residual)
@@ -321,7 +324,8 @@ class LlamaDecoderLayer(nn.Module):
         capture.take(i, "up_out", up)
         hidden = silu_and_mul(gate, up)
         capture.take(i, "m", hidden)
-        hidden = _project_captured(mlp.down, (mlp.down_proj,), hidden, meta, capture)[0]
+        hidden = mlp.tp.all_reduce(
+            _project_captured(mlp.down, (mlp.down_proj,), hidden, meta, capture)[0])
         capture.take(i, "down_out", hidden)
         if capture.wants(i, "x_next"):  # the next layer's x; the model fuses this add into its norm
             capture.take(i, "x_next", residual + hidden)

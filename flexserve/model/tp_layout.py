@@ -10,6 +10,7 @@ equal parts. Key/value heads are split when there are at least as many as ranks 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ _COLUMN_BY_HEAD = ("q_proj.weight", "q_proj.bias")
 _COLUMN_BY_KV_HEAD = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 _COLUMN_BY_FEATURE = ("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias")
 _VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
+_COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 # Row-parallel biases: added once to the summed output, so only rank 0 holds them.
 _RANK0_BIASES = ("o_proj.bias", "down_proj.bias")
 
@@ -108,6 +110,44 @@ class TensorParallelLayout:
         if len(index) == 1:
             return lora_a, lora_b[index[0]]
         return lora_a[:, index[1]], lora_b
+
+    def lora_index(self, target: str, half: str) -> tuple[slice, ...] | None:
+        """This rank's part (`lora_shard`) of LoRA tensor `half` ("A" [r, in] or "B" [out, r])
+        on `target` as an index into the whole tensor; None: the whole of it."""
+        if self.world_size == 1 or (half == "A") == (target in _COLUMN_TARGETS):
+            return None
+        return self.checkpoint_index(f"{target}.weight", ())
+
+    def lora_copies(self, target: str, half: str) -> int:
+        """How many ranks hold each entry of this rank's part of a LoRA tensor: the world for a
+        whole (replicated) tensor, the ranks that share a key/value head for a replicated
+        head's k/v B rows, else 1. Each holder's gradient of a shared entry is partial (its
+        own heads', features' or input columns' share): the gradient is their sum."""
+        if self.world_size == 1:
+            return 1
+        if (half == "A") == (target in _COLUMN_TARGETS):
+            return self.world_size
+        if half == "B" and target in ("k_proj", "v_proj") and self.num_kv_heads < self.world_size:
+            return self.world_size // self.num_kv_heads
+        return 1
+
+    def lora_owner(self, target: str, half: str) -> bool:
+        """Whether this rank is the first holder of its part of a LoRA tensor (gathers take
+        each entry once, from it)."""
+        return self.rank % self.lora_copies(target, half) == 0
+
+    def local_config(self, config: Any) -> Any:
+        """A copy of the model's `config` with this rank's sizes: its query and key/value heads
+        and MLP features (hidden size and vocabulary whole). The fine-tuning graph, activation
+        store and gradient buffers of a rank are sized from it."""
+        if self.world_size == 1:
+            return config
+        local = copy.copy(config)
+        local.num_attention_heads = self.num_local_heads
+        local.num_key_value_heads = self.num_local_kv_heads
+        local.intermediate_size = self.local_intermediate_size
+        local.head_dim = self.head_dim
+        return local
 
     def is_vocab_parallel(self, name: str) -> bool:
         return self.world_size > 1 and name.endswith(_VOCAB_ROWS)

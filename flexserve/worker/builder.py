@@ -115,6 +115,9 @@ def _build_distributed(config: EngineConfig, resolved: ResolvedModel, max_model_
         dtype=ready.dtype,
         num_layers=resolved.hf_config.num_hidden_layers,
         device_name=ready.device_name,
+        num_finetune_slots=ready.num_finetune_slots,
+        finetune_state_bytes=ready.finetune_state_bytes,
+        lora_target_features=dict(ready.lora_target_features or {}),
     )
     logger.info(
         "tensor parallel over %d ranks (%s): KV cache %d blocks x %d tokens per rank "

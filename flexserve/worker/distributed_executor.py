@@ -23,7 +23,7 @@ from flexserve.peft.bypass import target_shapes
 from flexserve.peft.peft_io import load_peft_adapter
 from flexserve.sampling_params import StructuredOutputsParams
 from flexserve.worker.structured_outputs import GrammarManager
-from flexserve.worker.tp_worker import WorkerReady
+from flexserve.worker.tp_worker import RankCall, RankCallError, WorkerReady, check_rank_method
 
 
 class WorkerDiedError(RuntimeError):
@@ -56,6 +56,46 @@ class DistributedExecutor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the ranks; idempotent."""
+
+    @abstractmethod
+    def _call_ranks(self, call: RankCall) -> Any:
+        """Send `call` to every rank after the plans sent before it and wait for all of them:
+        `rank_reply` of their replies."""
+
+    def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`ModelRunner.method(*args, **kwargs)` on every rank (`RANK_METHODS`): rank 0's
+        value; ValueError when a rank refused it (the ranks stay up)."""
+        check_rank_method(method)
+        reply = self._call_ranks(RankCall(method, args, kwargs))
+        if isinstance(reply, RankCallError):
+            raise ValueError(reply.message)
+        return reply
+
+    # ------------------------------------------------------------------- fine-tuning jobs
+    def add_finetune_job(self, **kwargs: Any) -> Any:
+        """Set up the job on every rank (each trains its part of the adapter); a rank that
+        refuses it makes every rank forget it again."""
+        try:
+            return self.call_ranks("add_finetune_job", **kwargs)
+        except ValueError:
+            self.call_ranks("remove_finetune_job", kwargs["job_id"])
+            raise
+
+    def end_finetune_job(self, job_id: str) -> None:
+        self.call_ranks("end_finetune_job", job_id)
+
+    def remove_finetune_job(self, job_id: str) -> None:
+        self.call_ranks("remove_finetune_job", job_id)
+
+    def save_finetune_adapter(self, job_id: str, path: str) -> None:
+        """The ranks gather the job's adapter; rank 0 writes it."""
+        self.call_ranks("save_finetune_adapter", job_id, path)
+
+    def save_finetune_checkpoint(self, job_id: str, directory: str,
+                                 trainer_state: dict[str, Any]) -> None:
+        """The ranks gather the job's adapter and AdamW state; rank 0 writes the checkpoint
+        (whole tensors: it resumes at any tensor-parallel size)."""
+        self.call_ranks("save_finetune_checkpoint", job_id, directory, trainer_state)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Read and validate the adapter here (ValueError with the reason), before a plan asks

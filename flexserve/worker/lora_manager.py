@@ -82,18 +82,15 @@ class LoRAManager:
             lora_config.max_lora_rank * (n_in + n_out) * element + 4
             for n_in, n_out in self.shapes.values())
         # Under tensor parallelism this rank holds its shard of every adapter
-        # (`TensorParallelLayout.lora_shard`), and fine-tuning jobs do not run.
+        # (`TensorParallelLayout.lora_shard`); slots are counted at their whole size here, so
+        # every rank counts the same number of them.
         layout = getattr(model, "layout", None)
         self.layout = layout if layout is not None and layout.world_size > 1 else None
-        if self.layout is None:
-            budget = finetune_budget_bytes(finetune_config, device)
-            self.num_finetune_slots = finetune_slot_count(
-                lora_config.max_finetune_loras, self.slot_bytes, budget)
-            # What the jobs' training state may take: the budget less the slots.
-            self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes,
-                                            0)
-        else:
-            self.num_finetune_slots = self.finetune_state_bytes = 0
+        budget = finetune_budget_bytes(finetune_config, device)
+        self.num_finetune_slots = finetune_slot_count(
+            lora_config.max_finetune_loras, self.slot_bytes, budget)
+        # What the jobs' training state may take: the budget less the slots.
+        self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes, 0)
         self.modules = attach_lora_linears(
             model, lora_config.max_loras + self.num_finetune_slots, lora_config.max_lora_rank)
         if self.layout is not None:  # this rank's shard of a slot

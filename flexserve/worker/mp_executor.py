@@ -23,7 +23,7 @@ from flexserve.config import EngineConfig
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
-from flexserve.worker.tp_worker import WorkerError, WorkerReady, run_worker
+from flexserve.worker.tp_worker import RankCall, WorkerError, WorkerReady, rank_reply, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +97,22 @@ class MultiprocExecutor(DistributedExecutor):
         """Stop the ranks (terminating those that do not leave in time); idempotent."""
         self._finalizer()
 
+    def _call_ranks(self, call: RankCall) -> Any:
+        self._check_alive()
+        index = self._num_sent
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send(call)
+            except OSError:
+                self._fail(self._exit_reason(rank))
+        self._num_sent += 1
+        return self._result_of(index)
+
     # ---------------------------------------------------------------------------------- internals
     def _result_of(self, index: int) -> StepResult:
         while self._num_received <= index:
             self._check_alive()
-            self._results[self._num_received] = self._receive_all()[0]
+            self._results[self._num_received] = rank_reply(self._receive_all())
             self._num_received += 1
         for earlier in [i for i in self._results if i < index]:
             del self._results[earlier]  # a result nobody waited for

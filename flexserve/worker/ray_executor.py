@@ -23,7 +23,7 @@ from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
 from flexserve.worker.model_runner import resolve_device
-from flexserve.worker.tp_worker import WorkerReady
+from flexserve.worker.tp_worker import RankCall, WorkerReady, rank_reply
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ class RankActor:
     def execute(self, plan: BatchPlan) -> StepResult | None:
         result = self.runner.execute(plan)
         return result if self.rank == 0 else None
+
+    def call(self, call: RankCall) -> Any:
+        from flexserve.worker.tp_worker import RankCallError, call_runner
+
+        result = call_runner(self.runner, call)
+        return result if self.rank == 0 or isinstance(result, RankCallError) else None
 
     def stop(self) -> None:
         from flexserve.distributed.parallel_state import destroy_tensor_parallel
@@ -132,6 +138,13 @@ class RayExecutor(DistributedExecutor):
             return result
 
         return wait_result
+
+    def _call_ranks(self, call: RankCall) -> Any:
+        if self._error is not None:
+            raise self._error
+        refs = [a.call.remote(call) for a in self._actors]
+        self._gather(refs)
+        return rank_reply(self._ray.get(refs))
 
     def shutdown(self) -> None:
         """Stop the actors and free their placement group; idempotent."""

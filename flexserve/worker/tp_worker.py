@@ -8,8 +8,9 @@ import logging
 import os
 import signal
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -32,6 +33,54 @@ class WorkerReady:
     device_name: str  # the GPU's name, or cpu
     dtype: str  # weights' dtype without the torch. prefix
     bytes_per_block: int  # this rank's K and V bytes of one block across all layers
+    num_finetune_slots: int = 0  # LoRA slots for fine-tuning jobs (the same on every rank)
+    finetune_state_bytes: int = 0  # memory for the jobs' training state, per rank
+    # (in, out) features of every LoRA target of the whole model (None: LoRA is off)
+    lora_target_features: dict[str, tuple[int, int]] | None = None
+
+
+@dataclass(slots=True)
+class RankCall:
+    """A call of a `ModelRunner` method that every rank makes, in order with the plans (the
+    fine-tuning job calls: `RANK_METHODS`)."""
+
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RankCallError:
+    """A `RankCall` that raised ValueError (bad input, which every rank refuses alike): the
+    executor raises it in the engine and stays up."""
+
+    message: str
+
+
+# The runner methods a `RankCall` may name: the fine-tuning jobs' life cycle and saves, which
+# every rank runs (saves gather the adapter; rank 0 writes it).
+RANK_METHODS = ("add_finetune_job", "end_finetune_job", "remove_finetune_job",
+                "save_finetune_adapter", "save_finetune_checkpoint")
+
+
+def check_rank_method(method: str) -> None:
+    """ValueError unless `method` is one of `RANK_METHODS`."""
+    if method not in RANK_METHODS:
+        raise ValueError(f"{method!r} is not a rank call (one of {', '.join(RANK_METHODS)})")
+
+
+def call_runner(runner: ModelRunner, call: RankCall) -> Any:
+    """Run `call` on this rank's runner: its return value, or `RankCallError` for a ValueError."""
+    try:
+        check_rank_method(call.method)
+        return getattr(runner, call.method)(*call.args, **call.kwargs)
+    except ValueError as e:
+        return RankCallError(str(e))
+
+
+def rank_reply(replies: list[Any]) -> Any:
+    """What the engine gets from all ranks' replies: the first `RankCallError`, else rank 0's."""
+    return next((r for r in replies if isinstance(r, RankCallError)), replies[0])
 
 
 @dataclass(slots=True)
@@ -47,7 +96,8 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
                conn: Connection) -> None:
     """The worker process's main: replies `WorkerReady` (or `WorkerError`) once, then for every
     `BatchPlan` received the `StepResult` (rank 0) or None (other ranks), a `WorkerError` when
-    the plan raised; stops at None or when the engine's end of the pipe closes."""
+    the plan raised, and for every `RankCall` its value (rank 0) or `RankCallError`; stops at
+    None or when the engine's end of the pipe closes."""
     # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -67,18 +117,25 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
             if plan is None:
                 break
             try:
-                result = runner.execute(plan)
+                if isinstance(plan, RankCall):
+                    result = call_runner(runner, plan)
+                else:
+                    result = runner.execute(plan)
             except Exception:
                 conn.send(WorkerError(rank, traceback.format_exc()))
                 continue
-            conn.send(result if rank == 0 else None)
+            conn.send(result if rank == 0 or isinstance(result, RankCallError) else None)
     finally:
         destroy_tensor_parallel()
 
 
 def worker_ready(runner: ModelRunner) -> WorkerReady:
     """The report of a rank whose runner is up."""
+    lora = runner.lora_manager
     return WorkerReady(
+        num_finetune_slots=0 if lora is None else lora.num_finetune_slots,
+        finetune_state_bytes=0 if lora is None else lora.finetune_state_bytes,
+        lora_target_features=None if lora is None else dict(lora.shapes),
         num_blocks=runner.num_blocks, vocab_size=runner.vocab_size,
         device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
         device_name=(torch.cuda.get_device_name(runner.device)

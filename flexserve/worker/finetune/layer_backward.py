@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flexserve.distributed.parallel_state import TensorParallelGroup
 from flexserve.layers.lora_linear import LoRALinear
 from flexserve.layers.rotary import rotate
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
@@ -91,6 +92,11 @@ WIDE_LORA_GEMM_ROWS = 1024
 # LoRA kernels where `use_triton` (fp16's narrow exponent range cannot hold dS's two-halves split:
 # fp16 models keep the torch path).
 LORA_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+# The outputs of row-parallel projections: under tensor parallelism a rank computes a partial
+# sum of them.
+ROW_PARALLEL_OUTPUTS = ("o_out", "down_out")
 
 
 def lora_grad_name(layer: int, target: str, half: str) -> str:
@@ -185,6 +191,7 @@ class SequenceBackward:
             raise ValueError(f"{len(block_ids)} blocks of {block_size} cannot hold {num_tokens}")
         check_plan(store.graph, store)
         self.model = model
+        self.tp = getattr(model, "tp", None) or TensorParallelGroup()
         self.store = store
         self.graph = store.graph
         self.num_tokens = num_tokens
@@ -372,6 +379,10 @@ class SequenceBackward:
             for name in op.inputs:
                 give(name, grad)
         elif kind == "rmsnorm" and needed[name]:
+            if self.tp.world_size > 1:
+                # The norm's output feeds column-parallel projections: each rank's dX is the
+                # share of its heads or features, and the norm's backward needs their sum.
+                grad = self.tp.all_reduce(grad.to(torch.float32, copy=True))
             if fused:
                 self._rmsnorm_fused(win, op, grad, grads, rows)
             else:
@@ -575,6 +586,15 @@ class _Window:
         return self._attention
 
     def _load(self, name: str) -> torch.Tensor:
+        value = self._compute(name)
+        if (name in ROW_PARALLEL_OUTPUTS and self.owner.tp.world_size > 1
+                and name not in self.owner.store.stored_names[self.layer]):
+            # Rematerialized from this rank's input columns: a partial sum, as in the forward
+            # before its all-reduce (a stored one was kept after it).
+            value = self.owner.tp.all_reduce(value.clone())
+        return value
+
+    def _compute(self, name: str) -> torch.Tensor:
         owner, store, layer = self.owner, self.owner.store, self.layer
         if name in store.stored_names[layer]:
             if self.rows is not None:

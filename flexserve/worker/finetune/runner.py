@@ -60,6 +60,7 @@ from flexserve.worker.finetune.backward_graphs import (
 )
 from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
+from flexserve.worker.finetune.sharded_adapter import ShardedAdapter
 from flexserve.worker.finetune.window_loss import (
     PendingWindowLoss,
     SequenceTargets,
@@ -131,6 +132,17 @@ class _Job:
         self.rank, self.lora_alpha, self.use_rslora = rank, alpha, rslora
         self.scaling = lora_scaling(rank, alpha, rslora)
         self.dropout = lora.dropout
+        # Under tensor parallelism this rank trains its part of each tensor (`ShardedAdapter`),
+        # and its layer graph has its heads and features.
+        layout = getattr(model, "layout", None)
+        self.sharded: ShardedAdapter | None = None
+        if layout is not None and layout.world_size > 1:
+            shapes = target_shapes(hf_config)
+            self.sharded = ShardedAdapter(layout, model.tp, {
+                lora_grad_name(layer, target, half): (target, half, (
+                    (rank, shapes[target][0]) if half == "A" else (shapes[target][1], rank)))
+                for layer, target in adapter.weights for half in ("A", "B")})
+            hf_config = layout.local_config(hf_config)
         self.graph: LayerGraph = build_layer_graph(
             hf_config, {t: "lora" for t in targets}, rank=rank, dropout=lora.dropout)
         element = torch.empty((), dtype=dtype).element_size()
@@ -146,14 +158,18 @@ class _Job:
             offload=activation_offload)
         self.plan: PruningPlan = self.layer_plans.plans[-1]  # the top layer's (lean if all are)
         params = {}
-        for (layer, target), (a, b) in adapter.weights.items():
-            params[lora_grad_name(layer, target, "A")] = a.to(device=device, dtype=torch.float32)
-            params[lora_grad_name(layer, target, "B")] = b.to(device=device, dtype=torch.float32)
+        for (layer, target), pair in adapter.weights.items():
+            for half, whole in zip("AB", pair):
+                name = lora_grad_name(layer, target, half)
+                params[name] = self._shard(name, whole).to(device=device, dtype=torch.float32)
         self.keys = sorted(adapter.weights)
         self.optimizer = AdapterOptimizer.from_hyperparameters(
             params, spec.hyperparameters, spec.num_training_steps)
         if spec.resume_state is not None:
-            self.optimizer.load_checkpoint_state(*spec.resume_state)
+            tensors, config = spec.resume_state
+            self.optimizer.load_checkpoint_state(
+                {key: self._shard(key.rsplit(".", 1)[0], t) for key, t in tensors.items()},
+                config)
         self.model = model
         self.sequences: dict[int, _Sequence] = {}
         self.backward_graphs: BackwardGraphs | None = None  # set by the runner where they run
@@ -168,9 +184,34 @@ class _Job:
             module.set_slot(self.spec.lora_slot, masters[lora_grad_name(layer, target, "A")],
                             masters[lora_grad_name(layer, target, "B")], self.scaling)
 
+    def _shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of tensor `name` (or of one shaped like it); all of it on one rank."""
+        if self.sharded is None or name not in self.sharded.params:
+            return whole
+        return self.sharded.shard(name, whole)
+
+    def whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole tensors from this rank's parts (key: a tensor name, or "<name>.<moment>");
+        under tensor parallelism a collective every rank calls."""
+        if self.sharded is None:
+            return tensors
+        return self.sharded.gather({key: (key if key in self.sharded.params
+                                          else key.rsplit(".", 1)[0], t)
+                                    for key, t in tensors.items()})
+
+    def step_norm(self) -> torch.Tensor:
+        """The optimizer step; under tensor parallelism the shared entries' partial gradients
+        are summed first and clipping uses the whole adapter's norm."""
+        if self.sharded is None:
+            return self.optimizer.step_norm()
+        grads = self.optimizer.grads
+        self.sharded.reduce_grads(grads)
+        return self.optimizer.step_norm(lambda: self.sharded.total_norm(grads))
+
     def adapter(self) -> LoRAAdapter:
-        """The current weights as a LoRA adapter on the CPU (fp32)."""
-        masters = self.optimizer.masters
+        """The current weights as a LoRA adapter on the CPU (fp32); under tensor parallelism a
+        collective every rank calls."""
+        masters = self.whole(self.optimizer.masters)
         weights = {(layer, target): (masters[lora_grad_name(layer, target, "A")].cpu().clone(),
                                      masters[lora_grad_name(layer, target, "B")].cpu().clone())
                    for layer, target in self.keys}
@@ -300,7 +341,10 @@ class FinetuneRunner:
             self._backward_buffers, self._backward_pool = None, None
 
     def save_adapter(self, job_id: str, path: str, base_model_name_or_path: str | None) -> None:
-        save_peft_adapter(self._job(job_id).adapter(), path, base_model_name_or_path)
+        job = self._job(job_id)
+        adapter = job.adapter()
+        if job.sharded is None or job.sharded.tp.rank == 0:  # rank 0 writes what all gathered
+            save_peft_adapter(adapter, path, base_model_name_or_path)
 
     def adapter(self, job_id: str) -> LoRAAdapter:
         return self._job(job_id).adapter()
@@ -320,6 +364,9 @@ class FinetuneRunner:
                              f"{job.optimizer.num_completed_steps}")
         adapter = job.adapter()
         tensors, config = job.optimizer.checkpoint_state()
+        tensors = {key: t.cpu() for key, t in job.whole(tensors).items()}
+        if job.sharded is not None and job.sharded.tp.rank != 0:
+            return  # rank 0 writes what all gathered
 
         def write(path: str) -> None:
             save_peft_adapter(adapter, path, base_model_name_or_path)
@@ -604,7 +651,7 @@ class FinetuneRunner:
                 continue
             try:
                 with torch.no_grad():
-                    norm = job.optimizer.step_norm()
+                    norm = job.step_norm()
                     job.write_slot()
                 norms.append((job_id, norm))
             except Exception as e:  # this job's failure (OOM included), never the engine's

@@ -81,6 +81,67 @@ def _chunks(source: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chu
 
 
 @dataclass(slots=True)
+class VocabShard:
+    """Under tensor parallelism, this rank's rows of lm_head: vocabulary ids [first, first +
+    valid) (the last rank's rows past the vocabulary are padding). The cross-entropy is then
+    Megatron-LM's vocab-parallel one: the ranks agree on each row's maximum and exp-sum and on
+    its target's logit with three all-reduces of one value per row, never gathering logits."""
+
+    tp: Any
+    first: int
+    valid: int
+
+    @classmethod
+    def of(cls, model: Any) -> VocabShard | None:
+        tp = getattr(model, "tp", None)
+        if tp is None or tp.world_size == 1:
+            return None
+        layout = model.layout
+        return cls(tp, layout.vocab_start, max(0, layout.vocab_end - layout.vocab_start))
+
+    def num_correct(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """How many rows' argmax over the whole vocabulary is their target (the first of equal
+        maxima, as `argmax` on one rank)."""
+        n = logits.shape[0]
+        big = torch.iinfo(torch.int64).max
+        if self.valid:
+            best, where = logits[:, :self.valid].max(dim=-1)
+            best = best.float()
+        else:
+            best = torch.full((n,), float("-inf"), device=logits.device)
+            where = torch.zeros(n, dtype=torch.int64, device=logits.device)
+        top = self.tp.all_reduce(best.clone(), "max")
+        first = torch.where(best == top, where + self.first, torch.full_like(where, big))
+        return (self.tp.all_reduce(first, "min") == targets).sum()
+
+    def loss_and_grad(self, logits: torch.Tensor, targets: torch.Tensor,
+                      loss_dtype: torch.dtype, grad_scale: float | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the summed cross-entropy of the first len(targets) rows, grad_scale x its gradient
+        with respect to `logits` in their dtype, zero on the other rows; None when grad_scale
+        is None), computed in `loss_dtype`, as `window_loss_async` does on one rank."""
+        num = targets.shape[0]
+        local = targets - self.first
+        here = ((local >= 0) & (local < self.valid))[:, None]
+        local = local.clamp(0, logits.shape[1] - 1)[:, None]
+        wide = logits.to(loss_dtype)
+        wide[:, self.valid:] = float("-inf")
+        wide.sub_(self.tp.all_reduce(wide.amax(dim=-1, keepdim=True), "max"))
+        shifted = self.tp.all_reduce(
+            torch.where(here, wide[:num].gather(1, local), torch.zeros((), dtype=loss_dtype,
+                                                                      device=wide.device)))
+        wide.exp_()
+        sums = self.tp.all_reduce(wide.sum(dim=-1, keepdim=True))
+        loss = -(shifted - sums[:num].log()).sum()
+        if grad_scale is None:
+            return loss, None
+        wide.div_(sums)
+        wide[num:] = 0.0
+        wide[:num].scatter_add_(1, local, -here.to(loss_dtype))
+        return loss, (wide * grad_scale).to(logits.dtype)
+
+
+@dataclass(slots=True)
 class WindowLoss:
     """The loss of one window, unscaled."""
 
@@ -154,9 +215,20 @@ def window_loss_async(
         return PendingWindowLoss(None, 0)
     norm, weight = model.model.norm, model.lm_head.weight
     loss_dtype, total, correct = _accumulators(weight, stream.device)
+    vocab = VocabShard.of(model)
     for index, chunk_targets, x in _chunks(stream, rows, target_ids, chunk_rows):
         num = index.shape[0]
         logits = F.linear(rmsnorm_forward(x, norm.weight, norm.variance_epsilon), weight)
+        if vocab is not None:
+            correct += vocab.num_correct(logits[:num], chunk_targets)
+            loss, grad_logits = vocab.loss_and_grad(logits, chunk_targets, loss_dtype, grad_scale)
+            total += loss
+            del logits
+            grad_hidden = vocab.tp.all_reduce((grad_logits @ weight).float())
+            del grad_logits
+            grad = rmsnorm_backward(x, norm.weight, norm.variance_epsilon, grad_hidden)
+            grad_out.index_copy_(0, index, grad[:num])
+            continue
         correct += (logits[:num].argmax(dim=-1) == chunk_targets).sum()
         # The softmax in place in one wide copy, whose model-dtype source then takes the
         # gradient: 6 bytes per logit at once for bf16 (1024 rows of Llama 3's 128,256: 0.79 GB),
@@ -201,8 +273,14 @@ def window_logprob_sum_async(
         return PendingWindowLoss(None, 0)
     weight = model.lm_head.weight
     loss_dtype, total, correct = _accumulators(weight, hidden.device)
+    vocab = VocabShard.of(model)
     for index, chunk_targets, x in _chunks(hidden, rows, target_ids, chunk_rows):
         logits = F.linear(x, weight)[:index.shape[0]]
+        if vocab is not None:
+            correct += vocab.num_correct(logits, chunk_targets)
+            total += vocab.loss_and_grad(logits, chunk_targets, loss_dtype, None)[0]
+            del logits
+            continue
         correct += (logits.argmax(dim=-1) == chunk_targets).sum()
         logprobs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
         total -= logprobs.gather(1, chunk_targets[:, None]).sum()
