@@ -689,7 +689,15 @@ class FinetuneRunner:
         return None if job is None else job.sequences.get(sequence_id)
 
     def _fail(self, job_id: str, error: Exception, errors: dict[str, str], during: str) -> None:
-        """End the job's part of this step: the engine marks it failed with `errors[job_id]`."""
+        """End the job's part of this step: the engine marks it failed with `errors[job_id]`.
+        Under tensor parallelism only failures every rank meets alike (a non-finite loss or
+        norm, which the ranks computed together; bad input) end the job alone: one rank's own
+        (out of memory, a bug) is raised, so the executor stops every rank rather than leave
+        the others waiting in a collective for a job this rank dropped."""
+        distributed = getattr(getattr(self.model, "tp", None), "world_size", 1) > 1
+        if distributed and (isinstance(error, torch.cuda.OutOfMemoryError) or not isinstance(
+                error, (ValueError, RuntimeError, FloatingPointError))):
+            raise error
         job = self.jobs.get(job_id)
         if job is not None:
             _drop_sequences(job)  # its activation stores and gradient buffers go now
