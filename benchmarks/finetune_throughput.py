@@ -15,6 +15,7 @@ the plans to fit (each job's max_seq_len is its sequence length, so the budget i
 
     python benchmarks/finetune_throughput.py --seq-lens 4096 --targets down_proj \
         --finetune-activation-budget 5.5
+    python benchmarks/finetune_throughput.py --seq-lens 4096 --tensor-parallel-size 2
 
 `--window-attention flash|cudnn-buckets` sets FLEXSERVE_WINDOW_ATTENTION (what whole-prefix
 backward windows run on, `backward_ops.window_attention`); the engine's start-up warm-up builds
@@ -53,6 +54,11 @@ def main() -> None:
                              "fused LoRA kernels; the masks' int64 reference hash, applied as tensors "
                              "in the forward and regenerated in the backward since plans keep no "
                              "mask); several values run each case once per value")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks (one GPU each) that train each job together; above 1 the "
+                             "memory reported is each GPU's in use after the timed steps over "
+                             "before the job (device-wide, not a peak), and the plan fields "
+                             "are left out (the ranks hold the job)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--remat-threshold", type=float, default=None,
@@ -112,8 +118,16 @@ def main() -> None:
               remat_threshold=args.remat_threshold, remat_chains=args.remat_chains,
               activation_budget_gib=args.finetune_activation_budget,
               activation_offload=args.finetune_activation_offload,
-              loss_chunk_rows=args.loss_chunk_rows)
+              loss_chunk_rows=args.loss_chunk_rows,
+              tensor_parallel_size=args.tensor_parallel_size)
     engine = llm.engine
+    distributed = args.tensor_parallel_size > 1
+
+    def gpus_in_use() -> list[int]:
+        """Bytes in use on each of the ranks' GPUs, whoever holds them."""
+        return [total - free for free, total in (torch.cuda.mem_get_info(i)
+                                                 for i in range(args.tensor_parallel_size))]
+
     vocab = engine.info.vocab_size
     writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     cases = [(t, n, p, b) for t in args.targets for n in args.seq_lens for p in args.lora_dropouts
@@ -134,6 +148,7 @@ def main() -> None:
                      "target_modules": ALL if targets == "all" else targets.split(",")}})
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
+        before_gpus = gpus_in_use() if distributed else None
         try:
             job = engine.add_finetune_job(data, hp)
         except ValueError as e:  # an activation budget that cannot hold this case
@@ -156,6 +171,19 @@ def main() -> None:
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         kernel_table = _stop_profiler(profiler, elapsed, args.num_sequences) if profiler else None
+        if distributed:
+            writer.write({
+                "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "lora_dropout": lora_dropout, "status": job.status.value,
+                "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
+                "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
+                "extra_memory_in_use_gb_per_gpu": [
+                    round((after - b) / 1e9, 3) for after, b in zip(gpus_in_use(), before_gpus)],
+                "losses": [round(x, 4) for x in job.losses]})
+            engine.executor.remove_finetune_job(job.job_id)
+            engine.scheduler.finetune.remove_job(job.job_id)
+            continue
         peak = torch.cuda.max_memory_allocated() - before
         if phases is not None:  # each part reset the peak: the run's is the largest part's
             phases.pop("(before)")
