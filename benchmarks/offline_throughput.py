@@ -223,14 +223,17 @@ def main() -> None:
     for r in results[1:]:
         if "prefill_tokens" in r:
             tflops = fl["prefill_flop"] / r["prefill_s"] / 1e12
+            peak = peaks["matmul_tflop_s"] * args.tensor_parallel_size  # every GPU's
             print(f"{r['backend']:16} prefill {r['prefill_tokens']} tokens: {r['prefill_s'] * 1e3:.1f} ms"
-                  f" = {tflops:.0f} TFLOP/s = {tflops / peaks['matmul_tflop_s']:.0%} of the "
-                  f"measured matmul peak ({r['prefill_tokens'] / r['prefill_s']:.0f} tok/s)")
+                  f" = {tflops:.0f} TFLOP/s = {tflops / peak:.0%} of the "
+                  f"measured matmul peak of {args.tensor_parallel_size} GPU(s) "
+                  f"({r['prefill_tokens'] / r['prefill_s']:.0f} tok/s)")
 
 
 def floors(hf_config, args, peaks: dict[str, float]) -> dict:
     """Decode-step floor per batch size (weights read once + every row's K/V at the average
-    context of the run, at the copy bandwidth) and the FLOPs of one prefill of --prefill-len."""
+    context of the run, at the copy bandwidth, split over --tensor-parallel-size GPUs) and the
+    FLOPs of one prefill of --prefill-len."""
     from flexserve.model.llama import head_dim_of
 
     hidden, inter, layers = hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_hidden_layers
@@ -242,7 +245,9 @@ def floors(hf_config, args, peaks: dict[str, float]) -> dict:
     bandwidth = peaks["copy_tb_s"] * 1e12
     avg_context = args.input_len + args.output_len / 2
     kv_bytes_per_row = 2 * layers * kv_dim * elt * avg_context
-    steps = {str(b): (read_params * elt + b * kv_bytes_per_row) / bandwidth * 1e3
+    # Under tensor parallelism each GPU reads its share at the same time: the floor divides.
+    tp = args.tensor_parallel_size
+    steps = {str(b): (read_params * elt + b * kv_bytes_per_row) / bandwidth * 1e3 / tp
              for b in args.batch_sizes}
     t = args.prefill_len
     prefill_flop = 2 * (read_params - hf_config.vocab_size * hidden) * t + 2 * hidden * hf_config.vocab_size \

@@ -252,3 +252,50 @@ def test_backward_windows_of_several_sequences_run_together(tiny_config, tiny_ch
     for key in together:
         scale = alone[key].abs().max().item()
         assert (together[key] - alone[key]).abs().max().item() <= 1e-6 * scale, key
+
+
+def test_the_next_job_with_the_same_plan_reuses_the_arena_and_its_graphs(
+        tiny_config, tiny_checkpoint, tmp_path):
+    """The arena and the graphs that write it outlive the job: a second job with the same plan
+    starts without capturing anything; one with another plan, alone, replaces the arena and
+    drops the old plan's graphs."""
+    model_dir, adapter_dir, _, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    llm = _llm(model_dir, graphs=True)
+    engine = llm.engine
+    runner = engine.executor
+
+    graphs = runner.mixed_graphs
+    forward, padded = graphs._forward, []
+
+    def counted(tokens, rows, step, capture):  # a capture's run (on the CPU: its forward)
+        padded.append(step.capture is not None)
+        return forward(tokens, rows, step, capture)
+
+    graphs._forward = counted
+
+    def train_one(data, hp):
+        padded.clear()
+        job = engine.add_finetune_job(data, hp, init_adapter_path=adapter_dir)
+        keys = set(runner.mixed_graphs.graphs), any(padded)
+        while not job.finished:
+            engine.step()
+        assert job.status.value == "succeeded", job.error
+        engine.remove_finetune_job(job.job_id)
+        return keys
+
+    first, captured = train_one(data, hp)
+    arena = {key: t.data_ptr() for key, t in runner._arena._tensors.items()}
+    assert arena and captured and any(key[3] is not None for key in first)
+    second, captured = train_one(data, hp)
+    assert second == first and not captured  # nothing captured for the second job
+    assert {key: t.data_ptr() for key, t in runner._arena._tensors.items()} == arena
+    # Another plan (every projection, so other tensors are kept): the arena follows it.
+    _, all_dir, _, all_data, all_hp = _setup(tiny_config, tiny_checkpoint, tmp_path / "all",
+                                             ALL_TARGETS)
+    job = engine.add_finetune_job(all_data, all_hp, init_adapter_path=all_dir)
+    kept = {key[3] for key in runner.mixed_graphs.graphs if key[3] is not None}
+    assert len(kept) == 1 and kept.isdisjoint({key[3] for key in first})
+    assert {key: t.data_ptr() for key, t in runner._arena._tensors.items()} != arena
+    while not job.finished:
+        engine.step()
+    assert job.status.value == "succeeded", job.error

@@ -126,8 +126,9 @@ def test_tp2_trains_the_adapter_one_process_trains(tiny_with_tokenizer, tmp_path
 def test_tp2_dpo_trains_the_adapter_one_process_trains(tiny_with_tokenizer, tmp_path):
     """DPO at 2 ranks: the policy's and the reference's log-probabilities through the
     vocab-parallel loss, the pair coefficient from them: one process's adapter and losses."""
-    from _hf_training import load_saved
     from test_finetune_dpo import PAIRS
+
+    from _hf_training import load_saved
 
     initial_dir, initial = random_adapter(tiny_with_tokenizer, tmp_path / "initial")
     results = []

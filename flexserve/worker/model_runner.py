@@ -487,12 +487,9 @@ class ModelRunner:
     def remove_finetune_job(self, job_id: str) -> None:
         """Forget the job: its fp32 masters, AdamW state and pruning plan go with it."""
         if self.finetune_runner is not None:
+            # The activation arena and the graphs that write it stay for the next job with the
+            # same plan (`ActivationArena`); one with another plan replaces them.
             self.finetune_runner.remove_job(job_id)
-            if not self.finetune_runner.jobs and self._arena is not None:
-                # No job left: the arena's memory goes back (the next job reserves its own plan).
-                if self.mixed_graphs is not None:
-                    self.mixed_graphs.drop_captures()
-                self._arena.clear()
 
     def save_finetune_adapter(self, job_id: str, path: str) -> None:
         """Write a job's current adapter in PEFT format."""
@@ -518,8 +515,12 @@ class ModelRunner:
                 self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains,
                 activation_budget_gib=ft.activation_budget_gib,
                 activation_offload=ft.activation_offload, max_finetune_len=max_finetune_len,
-                arena=self._arena)
+                arena=self._arena, on_arena_cleared=self._drop_finetune_captures)
         return self.finetune_runner
+
+    def _drop_finetune_captures(self) -> None:
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.drop_captures()
 
     # ---------------------------------------------------------------------------------------- LoRA
     def add_lora(self, lora_request: LoRARequest) -> None:

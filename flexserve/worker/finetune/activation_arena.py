@@ -7,6 +7,11 @@ iteration's graph writes cannot be fresh allocations per sequence. The arena hol
 of them at once, and its `ActivationStore` buffers are views of that range. The last row is the
 dump row: padding entries of a graph's index writes land there. Row ranges are first-fit; a
 sequence that finds no room gets private buffers and its windows run eagerly.
+
+The tensors outlive the jobs whose plans asked for them: when the last job ends they stay, with
+the graphs that write them, so the next job with the same plan starts without capturing any
+(capturing a plan's mixed-iteration graphs took 20-22 s of an 8B model's start on an H200). A job
+that starts alone with another plan clears them first (`holds_exactly`), dropping those graphs.
 """
 
 from __future__ import annotations
@@ -73,6 +78,17 @@ class ActivationArena:
         if self._ranges:
             raise RuntimeError(f"{len(self._ranges)} sequences still hold arena rows")
         self._tensors.clear()
+
+    def holds_exactly(self, layout: list[tuple[int, str, int, torch.dtype]]) -> bool:
+        """Whether the arena's tensors are exactly those of this (layer, name, width, dtype)
+        layout."""
+        if len(layout) != len(self._tensors):
+            return False
+        for layer, name, width, dtype in layout:
+            t = self._tensors.get((layer, name))
+            if t is None or t.shape[1] != width or t.dtype != dtype:
+                return False
+        return True
 
     def get(self, layer: int, name: str) -> torch.Tensor:
         """The whole [num_rows + 1, width] tensor of (layer, name) (KeyError when missing)."""

@@ -227,11 +227,14 @@ class FinetuneRunner:
                  loss_chunk_rows: int = 1024, remat_chains: bool = False,
                  activation_budget_gib: float | None = None,
                  max_finetune_len: int | None = None, activation_offload: bool = False,
-                 arena: ActivationArena | None = None) -> None:
+                 arena: ActivationArena | None = None,
+                 on_arena_cleared: Callable[[], None] | None = None) -> None:
         self.model = model
         self.hf_config = hf_config
         # activation memory CUDA graphs can write (mixed iterations); None: private stores only
         self.arena = arena
+        # called when a job's plan replaces the arena's tensors (the graphs writing them go)
+        self.on_arena_cleared = on_arena_cleared
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
@@ -291,7 +294,14 @@ class FinetuneRunner:
                        self.max_finetune_len, self.activation_offload)
         self.jobs[spec.job_id] = job
         if self.arena is not None and not job.layer_plans.offload_layers:
-            self.arena.reserve(store_layout(job.graph, job.layer_plans.plans, self.dtype))
+            layout = store_layout(job.graph, job.layer_plans.plans, self.dtype)
+            if len(self.jobs) == 1 and not self.arena.holds_exactly(layout):
+                # The arena still holds an ended job's plan: this job's replaces it, and the
+                # graphs that wrote the old one go with it.
+                self.arena.clear()
+                if self.on_arena_cleared is not None:
+                    self.on_arena_cleared()
+            self.arena.reserve(layout)
             if self.job_graph_kept(spec.job_id) is not None:
                 job.backward_graphs = self._backward_graphs(job)
         return job.plan
