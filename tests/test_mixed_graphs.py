@@ -299,3 +299,37 @@ def test_the_next_job_with_the_same_plan_reuses_the_arena_and_its_graphs(
     while not job.finished:
         engine.step()
     assert job.status.value == "succeeded", job.error
+
+
+def test_a_later_job_in_the_same_slot_reuses_the_backward_pieces_and_trains_the_same(
+        tiny_config, tiny_checkpoint, tmp_path):
+    """A job that starts in an ended job's slot with its plan takes over its backward pieces
+    (captured graphs on CUDA) and the gradient buffers they write, and trains exactly what a
+    fresh engine trains; removing the ended job, whose slot it now holds, leaves its adapter
+    alone."""
+    from safetensors.torch import load_file
+
+    model_dir, adapter_dir, _, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+
+    def train(engine, name, remove_first=None):
+        job = engine.add_finetune_job(data, hp, init_adapter_path=adapter_dir)
+        if remove_first is not None:
+            engine.remove_finetune_job(remove_first.job_id)
+        while not job.finished:
+            engine.step()
+        assert job.status.value == "succeeded", job.error
+        engine.save_finetune_adapter(job.job_id, str(tmp_path / name))
+        return job, load_file(str(tmp_path / name / "adapter_model.safetensors"))
+
+    fresh_job, fresh = train(_llm(model_dir, graphs=True).engine, "fresh")
+    engine = _llm(model_dir, graphs=True).engine
+    runner = engine.executor
+    first, _ = train(engine, "first")
+    pieces = runner.finetune_runner.jobs[first.job_id].backward_graphs
+    # The first job ended (its slot is free) but is not removed yet: the second takes the slot,
+    # then the first is removed.
+    second, adapter = train(engine, "second", remove_first=first)
+    assert second.lora_slot == first.lora_slot
+    job = runner.finetune_runner.jobs[second.job_id]
+    assert job.backward_graphs is pieces
+    assert all(torch.equal(adapter[k], fresh[k]) for k in fresh)
