@@ -248,18 +248,31 @@ class ParallelConfig:
     """How many devices serve the model and what drives them."""
 
     tensor_parallel_size: int = 1  # ranks each holding a shard of every layer (Megatron-LM)
+    # stages each holding a contiguous part of the layers (tensor_parallel_size ranks each)
+    pipeline_parallel_size: int = 1
     # mp: one worker process per rank on this host; ray: one Ray actor per rank on a Ray
-    # cluster (several hosts); None: mp when tensor_parallel_size > 1
+    # cluster (several hosts); None: mp when there is more than one rank
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         backend = self.distributed_executor_backend
         if backend is not None and backend not in _EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{_EXECUTOR_BACKENDS}, got {backend!r}")
-        if backend is None and self.tensor_parallel_size > 1:
+        if backend is None and self.world_size > 1:
             self.distributed_executor_backend = "mp"
+
+    @property
+    def world_size(self) -> int:
+        """Processes (one device each): every stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def driver_rank(self) -> int:
+        """The rank whose step results the engine takes: the last stage's first (it samples)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 @dataclass(slots=True)

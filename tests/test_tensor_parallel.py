@@ -212,6 +212,12 @@ def test_cli_options():
     assert engine_config_from_args(parser.parse_args([])).lora is not None
     assert engine_config_from_args(parser.parse_args(["-tp", "2", "--enable-lora"])).lora
     assert engine_config_from_args(parser.parse_args(["-tp", "2", "--max-loras", "3"])).lora
+    config = engine_config_from_args(parser.parse_args(["-pp", "2", "-tp", "2"]))
+    assert (config.parallel.pipeline_parallel_size, config.parallel.world_size,
+            config.parallel.driver_rank) == (2, 4, 2)
+    assert config.parallel.distributed_executor_backend == "mp" and config.lora is None
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        ParallelConfig(pipeline_parallel_size=0)
 
 
 # ------------------------------------------------------------------------ worker processes

@@ -77,7 +77,10 @@ class LLMEngine:
             vocab_size=info.vocab_size,
             finetune_config=config.finetune,
         )
-        self.core = EngineCore(self.scheduler, executor, config.scheduler.async_scheduling)
+        # Under pipeline parallelism only the last stage samples, so a step cannot start from
+        # the previous one's tokens on the first stage: steps wait for the previous one.
+        self.core = EngineCore(self.scheduler, executor, config.scheduler.async_scheduling
+                               and config.parallel.pipeline_parallel_size == 1)
         self.input_processor = InputProcessor(tokenizer, info.vocab_size, info.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self._children: dict[str, list[str]] = {}  # parent request id -> child request ids
@@ -289,6 +292,11 @@ class LLMEngine:
         from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
 
+        if self.config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("fine-tuning does not run under pipeline parallelism (this engine "
+                             f"runs pipeline_parallel_size "
+                             f"{self.config.parallel.pipeline_parallel_size}); tensor "
+                             "parallelism trains across GPUs")
         self._adapters()
         hp = hyperparameters
         job_id = job_id or f"ftjob-{next(self._job_ids)}"

@@ -57,7 +57,7 @@ class LLM:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(kwargs))}")
         parallel = ParallelConfig(**sections[ParallelConfig])
         if enable_lora is None:
-            enable_lora = parallel.tensor_parallel_size == 1 or bool(sections[LoRAConfig])
+            enable_lora = parallel.world_size == 1 or bool(sections[LoRAConfig])
         lora = None
         if enable_lora:
             lora = LoRAConfig(**sections[LoRAConfig])

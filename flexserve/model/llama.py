@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexserve.distributed.parallel_state import TensorParallelGroup, get_tp_group
+from flexserve.distributed.parallel_state import (
+    PipelineStage,
+    TensorParallelGroup,
+    get_pp_stage,
+    get_tp_group,
+)
 from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
@@ -348,33 +353,62 @@ def _project_captured(group: MergedProjection, linears: tuple[nn.Module, ...], x
     return outputs
 
 
+class PPMissingLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds: the layer indices (and
+    the checkpoint names they give) stay those of the whole model."""
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm; rope cos/sin gathered once per forward."""
+    """Embedding, decoder layers, final norm; rope cos/sin gathered once per forward.
+
+    A pipeline stage (`stage`) holds its decoder layers only (the others are `PPMissingLayer`s),
+    the first stage the embedding and the last the final norm: a stage other than the first
+    starts from the previous stage's (hidden, residual), and one other than the last returns
+    its own for the next."""
 
     def __init__(self, config: Any, layout: TensorParallelLayout, tp: TensorParallelGroup,
-                 max_position: int) -> None:
+                 max_position: int, stage: PipelineStage | None = None) -> None:
         super().__init__()
-        if tp.world_size == 1:
+        stage = PipelineStage() if stage is None else stage
+        self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.first_layer, self.end_layer = stage.layer_range(config.num_hidden_layers)
+        self.embed_tokens: nn.Module | None = None
+        if not self.is_first:
+            pass
+        elif tp.world_size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(
                 layout.vocab_per_rank, config.hidden_size, layout.vocab_start, layout.vocab_end, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layout, tp, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, layout, tp, i)
+            if self.first_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(config, layout.head_dim, max_position)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    @property
+    def local_layers(self) -> list[nn.Module]:
+        """The decoder layers this stage holds, in order."""
+        return list(self.layers[self.first_layer:self.end_layer])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         capture = get_forward_context().finetune
-        residual = None
-        for layer in self.layers:
+        for layer in self.local_layers:
             if capture is None:
                 hidden, residual = layer(hidden, residual, rope)
             else:
                 hidden, residual = layer.forward_captured(hidden, residual, rope, capture)
+        if not self.is_last:
+            return hidden, residual
         hidden, stream = self.norm(hidden, residual)
         if capture is not None:
             capture.take_final(stream)  # the last layer's output, where the window loss starts
@@ -385,14 +419,18 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus lm_head; attention metadata comes from the forward context.
 
     Under tensor parallelism (`tp`, by default this process's group) it holds this rank's shard
-    of every weight (`TensorParallelLayout`), and its logits are gathered from all ranks."""
+    of every weight (`TensorParallelLayout`), and its logits are gathered from all ranks. Under
+    pipeline parallelism (`stage`, by default this process's) it holds its stage's layers, and
+    lm_head on the last stage only (a tied one loaded from the embedding's checkpoint rows)."""
 
     def __init__(self, config: Any, max_model_len: int | None = None,
-                 tp: TensorParallelGroup | None = None) -> None:
+                 tp: TensorParallelGroup | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         check_supported(config, max_model_len)
         self.config = config
         self.tp = get_tp_group() if tp is None else tp
+        self.stage = get_pp_stage() if stage is None else stage
         self.head_dim = head_dim_of(config)
         self.layout = TensorParallelLayout.from_config(config, self.head_dim, self.tp.rank,
                                                        self.tp.world_size)
@@ -400,9 +438,12 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         max_position = max_model_len or config.max_position_embeddings
-        self.model = LlamaModel(config, self.layout, self.tp, max_position)
+        self.model = LlamaModel(config, self.layout, self.tp, max_position, self.stage)
         head_rows = config.vocab_size if self.tp.world_size == 1 else self.layout.vocab_per_rank
-        if self.tie_word_embeddings:
+        self.lm_head: nn.Linear | None = None
+        if not self.stage.is_last:
+            pass
+        elif self.tie_word_embeddings and self.stage.is_first:
             # Allocated on meta and replaced at once: a tied head must not cost vocab x hidden.
             with torch.device("meta"):
                 self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
@@ -410,9 +451,24 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64, positions [T] int64 -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] int64, positions [T] int64 -> final hidden states [T, hidden]; on a
+        pipeline stage other than the last, its (hidden, residual) for the next stage, and on
+        one other than the first starting from the previous stage's `intermediate`."""
+        return self.model(input_ids, positions, intermediate)
+
+    def holds_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this pipeline stage."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return self.model.first_layer <= index < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.stage.is_first or (self.stage.is_last and self.tie_word_embeddings)
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.stage.is_last
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32, the same on every rank."""
@@ -425,7 +481,7 @@ class LlamaForCausalLM(nn.Module):
     def merge_projections(self) -> None:
         """q/k/v and gate/up each as one GEMM, o and down as groups of one (GPU path; call after
         the weights are loaded): every projection then runs through `MergedProjection.project`."""
-        for layer in self.model.layers:
+        for layer in self.model.local_layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv.merge((attn.q_proj, attn.k_proj, attn.v_proj))
             attn.o.merge((attn.o_proj,))
@@ -436,10 +492,10 @@ class LlamaForCausalLM(nn.Module):
         """Fold the LoRA slots' A rows into the merged GEMMs (q/k/v, o, gate/up, down) of every
         layer where they add at most `max_fraction` of a group's rows; call after `LoRALinear`s
         replace the projections, on the merged (GPU) path. Returns the number of groups folded."""
-        if self.model.layers[0].self_attn.qkv.weight is None:
+        if self.model.local_layers[0].self_attn.qkv.weight is None:
             return 0
         folded = 0
-        for layer in self.model.layers:
+        for layer in self.model.local_layers:
             attn, mlp = layer.self_attn, layer.mlp
             for group, linears in ((attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
                                    (attn.o, (attn.o_proj,)),
@@ -449,8 +505,9 @@ class LlamaForCausalLM(nn.Module):
         return folded
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give layer i the cache kv_caches[i] ([2, num_blocks, block_size, KV, D]); [] unbinds."""
-        attns = [layer.self_attn.attn for layer in self.model.layers]
+        """Give this stage's layer i the cache kv_caches[i] ([2, num_blocks, block_size, KV,
+        D]); [] unbinds."""
+        attns = [layer.self_attn.attn for layer in self.model.local_layers]
         if not kv_caches:
             for attn in attns:
                 attn.kv_cache = None
@@ -485,11 +542,17 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
+        # The last pipeline stage of a tied model holds lm_head without the embedding: it is
+        # loaded from the embedding's checkpoint rows.
+        head_from_embedding = (self.tie_word_embeddings and self.lm_head is not None
+                               and self.model.embed_tokens is None)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (
                 self.tie_word_embeddings and name == "lm_head.weight"
-            ):
+            ) or not self.holds_weight(name):
                 continue
+            if head_from_embedding and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"
             param = params.get(name)
             if param is None:
                 unexpected.append(name)

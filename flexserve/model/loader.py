@@ -45,7 +45,8 @@ def load_model(
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iter_safetensors(resolved.path, device, model.checkpoint_index))
+        model.load_weights(iter_safetensors(resolved.path, device, model.checkpoint_index,
+                                            model.holds_weight))
     # The backbone is frozen: only bypass networks (LoRA) attached later ever train.
     return model.requires_grad_(False).eval()
 
@@ -99,12 +100,14 @@ def safetensors_files(path: str) -> list[str]:
 IndexOf = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
 
 
-def iter_safetensors(path: str, device: torch.device,
-                     index_of: IndexOf | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, device: torch.device, index_of: IndexOf | None = None,
+                     wanted: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every checkpoint tensor, read straight onto `device` one at a time.
 
     `index_of(name, shape)`: the part of each tensor to read (a tensor-parallel rank's shard,
-    read alone from the file, so no rank holds the whole model); None from it: all of it."""
+    read alone from the file, so no rank holds the whole model); None from it: all of it.
+    `wanted(name)`: False skips the tensor unread (another pipeline stage's)."""
     from safetensors import safe_open
 
     files = safetensors_files(path)
@@ -113,6 +116,8 @@ def iter_safetensors(path: str, device: torch.device,
     for file in tqdm(files, desc="loading safetensors shards", unit="shard", disable=len(files) < 2):
         with safe_open(file, framework="pt", device=target) as f:
             for name in f.keys():
+                if wanted is not None and not wanted(name):
+                    continue
                 if index_of is None:
                     yield name, f.get_tensor(name)
                     continue

@@ -48,7 +48,7 @@ def build_executor(
         eos = getattr(resolved.hf_config, "eos_token_id", None)
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-    if config.parallel.tensor_parallel_size > 1:
+    if config.parallel.world_size > 1:
         return _build_distributed(config, resolved, max_model_len, tokenizer, eos)
     runner = ModelRunner(config, resolved)
     num_blocks = runner.initialize_kv_cache(max_model_len)
@@ -87,10 +87,14 @@ def build_executor(
 def _build_distributed(config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
                        tokenizer: Any | None, eos: int | None
                        ) -> tuple[DistributedExecutor, Any | None, ModelInfo]:
-    world_size = config.parallel.tensor_parallel_size
+    world_size = config.parallel.world_size
     # Checked here, before any worker starts, for a start-up error that names the sizes.
     check_supported(resolved.hf_config, max_model_len)
-    check_tensor_parallel(resolved.hf_config, world_size)
+    check_tensor_parallel(resolved.hf_config, config.parallel.tensor_parallel_size)
+    num_layers, pp = resolved.hf_config.num_hidden_layers, config.parallel.pipeline_parallel_size
+    if pp > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp} is more than the model's {num_layers} "
+                         "layers: every stage holds at least one")
     if config.parallel.distributed_executor_backend == "ray":
         from flexserve.worker.ray_executor import RayExecutor
 

@@ -28,6 +28,7 @@ from flexserve.engine.finetune_capacity import (
 )
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.layers.lora_linear import LoRALinear
+from flexserve.model.llama import PPMissingLayer
 from flexserve.peft.bypass import TARGET_MODULES, target_shapes
 from flexserve.peft.lora import LoRAAdapter
 from flexserve.peft.peft_io import load_peft_adapter
@@ -39,9 +40,12 @@ def attach_lora_linears(
     model: nn.Module, max_loras: int, max_rank: int
 ) -> dict[tuple[int, str], LoRALinear]:
     """Replace every target projection of `model.model.layers` by a `LoRALinear` sharing its
-    weights (parameter names do not change); returns them by (layer, target)."""
+    weights (parameter names do not change); returns them by (layer, target). A pipeline
+    stage has its own layers' only."""
     modules = {}
     for index, layer in enumerate(model.model.layers):
+        if isinstance(layer, PPMissingLayer):
+            continue
         for target, parent_name in TARGET_MODULES.items():
             parent = getattr(layer, parent_name)
             base = getattr(parent, target)
@@ -93,7 +97,8 @@ class LoRAManager:
         self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes, 0)
         self.modules = attach_lora_linears(
             model, lora_config.max_loras + self.num_finetune_slots, lora_config.max_lora_rank)
-        if self.layout is not None:  # this rank's shard of a slot
+        if self.layout is not None or len(self.modules) != self.num_layers * len(self.shapes):
+            # this rank's shard of a slot, over its pipeline stage's layers
             self.slot_bytes = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes + 4
                                   for m in self.modules.values())
         fold = getattr(model, "fold_lora_shrinks", None)

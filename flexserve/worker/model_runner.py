@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from flexserve.config import EngineConfig
-from flexserve.distributed.parallel_state import get_tp_group
+from flexserve.distributed.parallel_state import get_pp_stage, get_tp_group
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import (
     BatchPlan,
@@ -65,6 +65,20 @@ MAX_WINDOW_ROWS = 16
 ARENA_SEQUENCES = 1
 
 
+def _micro_batches(lengths: list[int], count: int) -> list[tuple[int, int]]:
+    """Split rows of these token counts into at most `count` consecutive groups of about equal
+    tokens: (first, end) row ranges, none empty."""
+    total, groups, first, acc = sum(lengths), [], 0, 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if acc * count >= total * (len(groups) + 1) and len(groups) < count - 1:
+            groups.append((first, i + 1))
+            first = i + 1
+    if first < len(lengths):
+        groups.append((first, len(lengths)))
+    return groups
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present."""
     if name == "auto":
@@ -107,6 +121,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.hf_config = resolved.hf_config
         self.tp = get_tp_group()
+        self.pp = get_pp_stage()
         start = time.perf_counter()
         self.model = load_model(config.model, resolved, self.device, self.dtype)
         logger.info(
@@ -118,7 +133,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.cache.block_size
         self.kv_cache_spec = KVCacheSpec(
-            num_layers=self.hf_config.num_hidden_layers,
+            num_layers=len(self.model.model.local_layers),  # this pipeline stage's
             num_kv_heads=self.model.layout.num_local_kv_heads,
             head_dim=self.model.head_dim,
             block_size=self.block_size,
@@ -136,7 +151,7 @@ class ModelRunner:
                 # cuda): built now, before the profiling forward and CUDA-graph capture, never
                 # inside a capture or under a request; under auto only where down_proj's decode
                 # runs the BGMV pair (its shrinks not folded into the GEMM).
-                layers = getattr(getattr(self.model, "model", None), "layers", ())
+                layers = getattr(getattr(self.model, "model", None), "local_layers", ())
                 load_for_decode(self.device, bgmv_pairs=not layers or any(
                     getattr(getattr(layer.mlp, "down", None), "folded", None) is None
                     for layer in layers))
@@ -195,6 +210,9 @@ class ModelRunner:
         # Graphs replay the Triton path only (the torch reference attention is not graph-safe).
         graphs = (self.device.type == "cuda" and not self.config.model.enforce_eager
                   and use_triton(self.device))
+        if graphs and self.pp.num_stages > 1:
+            logger.info("CUDA graphs are off under pipeline parallelism: stages run eagerly")
+            graphs = False
         if graphs:
             self.graph_runner = CUDAGraphRunner(
                 self.model, self.config.scheduler.max_num_seqs, max_model_len, self.block_size,
@@ -241,10 +259,17 @@ class ModelRunner:
             query_lens, [0] * num_rows, self.device)
         input_ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
         positions = torch.cat([torch.arange(q, device=self.device) for q in query_lens])
+        intermediate = None
+        if not self.pp.is_first:  # a later pipeline stage starts from the previous one's
+            shape = (num_tokens, self.hf_config.hidden_size)
+            intermediate = tuple(torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                 for _ in range(2))
         with set_forward_context(metadata, lora_meta):
-            hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
-        torch.softmax(logits, dim=-1)
+            hidden = self.model(input_ids, positions, intermediate)
+        logits = None
+        if self.pp.is_last:
+            logits = self.model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
+            torch.softmax(logits, dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch, hidden, logits, metadata
@@ -358,6 +383,8 @@ class ModelRunner:
         row_lens = [r.num_scheduled_tokens for r in rows] + [w.end - w.start for w in windows]
         if not row_lens:
             return lambda: None
+        if self.pp.num_stages > 1:
+            return self._forward_pipelined(rows, result, plan, deferred)
         errors = result.finetune_errors
         row_slots = [r.lora_slot for r in rows] + [w.lora_slot for w in windows]
         if plan.continues_previous:
@@ -409,6 +436,54 @@ class ModelRunner:
                     index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
                 fill = self._sample(rows, sample_rows, hidden, index, result, deferred,
                                     plan.continues_previous)
+            else:
+                self._last_sampled = self._last_sampled_host = None
+            self._prompt_logprobs(rows, hidden, result)
+            return fill
+
+        return sample
+
+    def _forward_pipelined(self, rows: list[ScheduledSequence], result: StepResult,
+                           plan: BatchPlan, deferred: bool
+                           ) -> Callable[[], Callable[[], None] | None]:
+        """`_forward` on a pipeline stage: the rows go through in micro-batches (one per stage,
+        by rows), each sent on to the next stage as soon as this one has run it, so the stages
+        work on different micro-batches at once; the last stage samples them all."""
+        micro = _micro_batches([r.num_scheduled_tokens for r in rows], self.pp.num_stages)
+        hidden_size = self.hf_config.hidden_size
+        outputs = []
+        for first, end in micro:
+            part = rows[first:end]
+            lens = [r.num_scheduled_tokens for r in part]
+            metadata = AttentionMetadata.build(
+                lens, [r.num_computed_tokens for r in part], [r.block_ids for r in part],
+                self.block_size, self.device)
+            slots = [r.lora_slot for r in part]
+            lora_meta = None
+            if self.lora_manager is not None and any(slot >= 0 for slot in slots):
+                lora_meta = LoRAKernelMeta.build(lens, slots, self.device)
+            intermediate = None
+            if not self.pp.is_first:
+                shape = (sum(lens), hidden_size)
+                intermediate = self.pp.recv_previous((shape, shape), self.dtype, self.device)
+            input_ids = self._prepare_input_ids(part, []) if self.pp.is_first else None
+            with set_forward_context(metadata, lora_meta):
+                out = self.model(input_ids, metadata.positions, intermediate)
+            if self.pp.is_last:
+                outputs.append(out)
+            else:
+                self.pp.send_next(out)
+        if not self.pp.is_last:
+            return lambda: None
+        hidden = torch.cat(outputs)  # every row's tokens, in row order
+        last_token = np.cumsum([r.num_scheduled_tokens for r in rows]) - 1
+
+        def sample() -> Callable[[], None] | None:
+            fill = None
+            sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
+            if sample_rows:
+                index = to_device(last_token[sample_rows], self.device, torch.int64)
+                fill = self._sample(rows, sample_rows, hidden, index, result, deferred, False)
             else:
                 self._last_sampled = self._last_sampled_host = None
             self._prompt_logprobs(rows, hidden, result)

@@ -36,7 +36,8 @@ class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
                  tokenizer: Any | None, eos_token_id: int | None) -> None:
         super().__init__(config, resolved, tokenizer, eos_token_id)
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
+        self._driver = config.parallel.driver_rank
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into workers
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._processes: list[BaseProcess] = []
@@ -112,7 +113,7 @@ class MultiprocExecutor(DistributedExecutor):
     def _result_of(self, index: int) -> StepResult:
         while self._num_received <= index:
             self._check_alive()
-            self._results[self._num_received] = rank_reply(self._receive_all())
+            self._results[self._num_received] = rank_reply(self._receive_all(), self._driver)
             self._num_received += 1
         for earlier in [i for i in self._results if i < index]:
             del self._results[earlier]  # a result nobody waited for

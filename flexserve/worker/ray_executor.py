@@ -35,6 +35,7 @@ class RankActor:
 
     def __init__(self) -> None:
         self.rank = -1
+        self.driver = False
         self.runner = None
 
     def rendezvous(self) -> tuple[str, int]:
@@ -52,6 +53,7 @@ class RankActor:
         from flexserve.worker.tp_worker import start_rank, worker_ready
 
         self.rank = rank
+        self.driver = rank == config.parallel.driver_rank  # its results are the engine's
         # Ray shows the actor only its own GPU (CUDA_VISIBLE_DEVICES): it is device 0 here.
         self.runner = start_rank(rank, world_size, init_method, config, resolved, max_model_len,
                                  eos_token_id, local_device=0)
@@ -59,13 +61,13 @@ class RankActor:
 
     def execute(self, plan: BatchPlan) -> StepResult | None:
         result = self.runner.execute(plan)
-        return result if self.rank == 0 else None
+        return result if self.driver else None
 
     def call(self, call: RankCall) -> Any:
         from flexserve.worker.tp_worker import RankCallError, call_runner
 
         result = call_runner(self.runner, call)
-        return result if self.rank == 0 or isinstance(result, RankCallError) else None
+        return result if self.driver or isinstance(result, RankCallError) else None
 
     def stop(self) -> None:
         from flexserve.distributed.parallel_state import destroy_tensor_parallel
@@ -87,7 +89,8 @@ class RayExecutor(DistributedExecutor):
             raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
                              "'flexserve[ray]'") from e
         self._ray = ray
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
+        self._driver = config.parallel.driver_rank
         if not ray.is_initialized():
             ray.init(logging_level=logging.WARNING)
         cuda = resolve_device(config.model.device).type == "cuda"
@@ -133,7 +136,7 @@ class RayExecutor(DistributedExecutor):
         refs = [a.execute.remote(plan) for a in self._actors]
 
         def wait_result() -> StepResult:
-            result = self._gather(refs)
+            result = self._gather(refs, self._driver)
             result.execute_time = time.perf_counter() - start
             return result
 
@@ -144,7 +147,7 @@ class RayExecutor(DistributedExecutor):
             raise self._error
         refs = [a.call.remote(call) for a in self._actors]
         self._gather(refs)
-        return rank_reply(self._ray.get(refs))
+        return rank_reply(self._ray.get(refs), self._driver)
 
     def shutdown(self) -> None:
         """Stop the actors and free their placement group; idempotent."""
@@ -162,9 +165,9 @@ class RayExecutor(DistributedExecutor):
             except Exception:  # noqa: BLE001 - the cluster is gone already
                 pass
 
-    def _gather(self, refs: list[Any]) -> Any:
-        """Rank 0's reply once every rank replied; a rank that raised or died stops all of
-        them and raises `WorkerDiedError` naming it, without waiting for the others."""
+    def _gather(self, refs: list[Any], index: int = 0) -> Any:
+        """Rank `index`'s reply once every rank replied; a rank that raised or died stops all
+        of them and raises `WorkerDiedError` naming it, without waiting for the others."""
         ray = self._ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
@@ -177,7 +180,7 @@ class RayExecutor(DistributedExecutor):
                     self._fail(f"tensor-parallel rank {rank_of[ref]} (Ray actor) died: {e}")
                 except ray.exceptions.RayTaskError as e:
                     self._fail(f"tensor-parallel rank {rank_of[ref]} failed:\n{e}")
-        return ray.get(refs[0])
+        return ray.get(refs[index])
 
     def _fail(self, reason: str) -> None:
         self._error = WorkerDiedError(reason)

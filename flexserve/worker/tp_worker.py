@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from flexserve.config import EngineConfig
-from flexserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from flexserve.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
 from flexserve.model.loader import load_tokenizer
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.model_runner import ModelRunner, resolve_device
@@ -78,9 +78,10 @@ def call_runner(runner: ModelRunner, call: RankCall) -> Any:
         return RankCallError(str(e))
 
 
-def rank_reply(replies: list[Any]) -> Any:
-    """What the engine gets from all ranks' replies: the first `RankCallError`, else rank 0's."""
-    return next((r for r in replies if isinstance(r, RankCallError)), replies[0])
+def rank_reply(replies: list[Any], driver: int = 0) -> Any:
+    """What the engine gets from all ranks' replies: the first `RankCallError`, else the
+    driver's (`ParallelConfig.driver_rank`: the rank that samples)."""
+    return next((r for r in replies if isinstance(r, RankCallError)), replies[driver])
 
 
 @dataclass(slots=True)
@@ -124,7 +125,8 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
             except Exception:
                 conn.send(WorkerError(rank, traceback.format_exc()))
                 continue
-            conn.send(result if rank == 0 or isinstance(result, RankCallError) else None)
+            driver = rank == config.parallel.driver_rank
+            conn.send(result if driver or isinstance(result, RankCallError) else None)
     finally:
         destroy_tensor_parallel()
 
@@ -158,13 +160,14 @@ def start_rank(rank: int, world_size: int, init_method: str, config: EngineConfi
         # The ranks share the host's cores: each takes its part instead of all of them.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         backend = "gloo"
-    init_tensor_parallel(rank, world_size, init_method, backend)
+    init_model_parallel(rank, config.parallel.tensor_parallel_size,
+                        config.parallel.pipeline_parallel_size, init_method, backend)
     runner = ModelRunner(config, resolved)
     runner.initialize_kv_cache(max_model_len)
     # Structured outputs compile their grammars against the tokenizer on every rank, so every
     # rank masks and samples the same tokens.
     runner.set_tokenizer(load_tokenizer(resolved, config.model.tokenizer), eos_token_id)
-    logger.info("tensor-parallel rank %d of %d ready: %d KV blocks", rank, world_size,
+    logger.info("rank %d of %d ready: %d KV blocks", rank, world_size,
                 runner.num_blocks)
     return runner
 

@@ -41,12 +41,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="CUDA: run decode eagerly instead of replaying CUDA graphs")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks each holding a shard of every layer (Megatron-style tensor "
-                            "parallelism); LoRA and fine-tuning are off above 1 [%(default)s]")
+                            "parallelism); LoRA is off above 1 unless asked for [%(default)s]")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="pipeline stages each holding a contiguous part of the layers, on "
+                            "--tensor-parallel-size ranks each; steps go through them in "
+                            "micro-batches; no fine-tuning [%(default)s]")
     group.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
                        help="what drives the ranks: mp, one worker process per rank on this "
                             "host; ray, one Ray actor per rank on the Ray cluster (RAY_ADDRESS "
-                            "or `ray start` on this host; several hosts) [mp when "
-                            "--tensor-parallel-size > 1]")
+                            "or `ray start` on this host; several hosts) [mp when there is "
+                            "more than one rank]")
     group.add_argument("--state-dir", default=None,
                        help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
                             "~/.cache/flexserve]")
@@ -209,7 +213,8 @@ def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
     modules = parse_lora_modules(args.lora_modules)
     enable = args.enable_lora
     if enable is None:
-        enable = getattr(args, "tensor_parallel_size", 1) == 1 or bool(given or modules)
+        enable = (getattr(args, "tensor_parallel_size", 1)
+                  * getattr(args, "pipeline_parallel_size", 1) == 1 or bool(given or modules))
     if not enable:
         options = [f"--{k.replace('_', '-')}" for k in given] + (["--lora-modules"] if modules
                                                                   else [])
@@ -256,6 +261,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             finetune_backward_stream=args.finetune_backward_stream),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
             distributed_executor_backend=args.distributed_executor_backend),
         disable_log_stats=getattr(args, "disable_log_stats", False),
     )

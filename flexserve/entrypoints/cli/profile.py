@@ -72,9 +72,9 @@ def profile(args: argparse.Namespace) -> int:
                          f"{args.warmup}")
     apply_state_dir(args)
     config = engine_config_from_args(args)
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("flexserve profile times fine-tuning too, which is not supported under "
-                         "tensor parallelism yet: profile with --tensor-parallel-size 1")
+    if config.parallel.world_size > 1:
+        raise ValueError("flexserve profile times one GPU's iterations: profile with "
+                         "--tensor-parallel-size 1 and --pipeline-parallel-size 1")
     if config.lora is None:
         config.lora = LoRAConfig(max_loras=1)  # the profiling job's adapter needs one slot
     config.finetune.warmup = False  # the profile's own warm-up round compiles the kernels
