@@ -23,6 +23,7 @@ from flexserve.config import EngineConfig
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
+from flexserve.worker.plan_wire import PlanSender
 from flexserve.worker.tp_worker import RankCall, WorkerError, WorkerReady, rank_reply, run_worker
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class MultiprocExecutor(DistributedExecutor):
             self._conns.append(parent)
         self._finalizer = weakref.finalize(self, _stop_workers, self._processes, self._conns)
         self._error: WorkerDiedError | None = None
+        self._sender = PlanSender()
         self._num_sent = 0  # plans sent to the ranks
         self._num_received = 0  # plans every rank has answered
         self._results: dict[int, StepResult] = {}  # rank 0's results not taken yet, by plan
@@ -80,9 +82,10 @@ class MultiprocExecutor(DistributedExecutor):
         start = time.perf_counter()
         self._check_alive()
         index = self._num_sent
+        payload = self._sender.encode(plan)  # once for every rank
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(plan)
+                conn.send_bytes(payload)
             except OSError:  # its end of the pipe closed: the process is exiting or gone
                 self._fail(self._exit_reason(rank))
         self._num_sent += 1
@@ -101,9 +104,10 @@ class MultiprocExecutor(DistributedExecutor):
     def _call_ranks(self, call: RankCall) -> Any:
         self._check_alive()
         index = self._num_sent
+        payload = self._sender.encode(call)
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send(call)
+                conn.send_bytes(payload)
             except OSError:
                 self._fail(self._exit_reason(rank))
         self._num_sent += 1

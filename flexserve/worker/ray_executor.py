@@ -23,6 +23,7 @@ from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
 from flexserve.worker.model_runner import resolve_device
+from flexserve.worker.plan_wire import PlanSender, PromptCache
 from flexserve.worker.tp_worker import RankCall, WorkerReady, rank_reply
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RankActor:
         self.rank = -1
         self.driver = False
         self.runner = None
+        self.prompts = PromptCache()  # the plans' prompts (`plan_wire`)
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it, for the group's rendezvous."""
@@ -59,14 +61,16 @@ class RankActor:
                                  eos_token_id, local_device=0)
         return worker_ready(self.runner)
 
-    def execute(self, plan: BatchPlan) -> StepResult | None:
-        result = self.runner.execute(plan)
+    def execute(self, payload: bytes) -> StepResult | None:
+        """Run a plan (`PlanSender.encode`d)."""
+        result = self.runner.execute(self.prompts.decode(payload))
         return result if self.driver else None
 
-    def call(self, call: RankCall) -> Any:
+    def call(self, payload: bytes) -> Any:
+        """Run a `RankCall` (`PlanSender.encode`d)."""
         from flexserve.worker.tp_worker import RankCallError, call_runner
 
-        result = call_runner(self.runner, call)
+        result = call_runner(self.runner, self.prompts.decode(payload))
         return result if self.driver or isinstance(result, RankCallError) else None
 
     def stop(self) -> None:
@@ -97,6 +101,7 @@ class RayExecutor(DistributedExecutor):
         bundle = {"GPU": 1, "CPU": 1} if cuda else {"CPU": 1}
         self._group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         self._actors: list[Any] = []
+        self._sender = PlanSender()
         self._error: WorkerDiedError | None = None
         try:
             ready, _ = ray.wait([self._group.ready()], timeout=PLACEMENT_TIMEOUT_S)
@@ -133,7 +138,8 @@ class RayExecutor(DistributedExecutor):
         start = time.perf_counter()
         if self._error is not None:
             raise self._error
-        refs = [a.execute.remote(plan) for a in self._actors]
+        payload = self._ray.put(self._sender.encode(plan))  # once for every actor
+        refs = [a.execute.remote(payload) for a in self._actors]
 
         def wait_result() -> StepResult:
             result = self._gather(refs, self._driver)
@@ -145,7 +151,8 @@ class RayExecutor(DistributedExecutor):
     def _call_ranks(self, call: RankCall) -> Any:
         if self._error is not None:
             raise self._error
-        refs = [a.call.remote(call) for a in self._actors]
+        payload = self._ray.put(self._sender.encode(call))
+        refs = [a.call.remote(payload) for a in self._actors]
         self._gather(refs)
         return rank_reply(self._ray.get(refs), self._driver)
 

@@ -19,6 +19,7 @@ from flexserve.distributed.parallel_state import destroy_tensor_parallel, init_m
 from flexserve.model.loader import load_tokenizer
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.model_runner import ModelRunner, resolve_device
+from flexserve.worker.plan_wire import PromptCache
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
         runner = start_rank(rank, world_size, init_method, config, resolved, max_model_len,
                             eos_token_id)
         conn.send(worker_ready(runner))
+        prompts = PromptCache()  # the plans' prompts (`plan_wire`)
     except Exception:
         conn.send(WorkerError(rank, traceback.format_exc()))
         destroy_tensor_parallel()
@@ -112,7 +114,7 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
     try:
         while True:
             try:
-                plan = conn.recv()
+                plan = prompts.decode(conn.recv_bytes())
             except EOFError:  # the engine process is gone
                 break
             if plan is None:
