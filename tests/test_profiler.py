@@ -305,3 +305,30 @@ def test_after_the_warm_up_a_dropout_job_compiles_nothing(tiny_dir):
         triton.knobs.runtime.jit_post_compile_hook = None
     assert job.losses, "the job trained no step"
     assert compiled == [], compiled
+
+
+def test_several_ranks_do_not_take_a_one_gpu_profile(monkeypatch, tmp_path):
+    """A saved profile times one GPU: an engine over several ranks sizes its windows from its
+    own measured iterations instead (an explicit --latency-profile is still honoured)."""
+    import types
+
+    from flexserve.config import CoserveConfig, ParallelConfig
+    from flexserve.engine import llm_engine
+
+    def profile(*args):
+        raise AssertionError("a one-GPU profile was looked up for several ranks")
+
+    monkeypatch.setattr(llm_engine, "load_matching_profile", profile)
+    info = ModelInfo(name="m", vocab_size=8, max_model_len=16, eos_token_id=None, num_blocks=4,
+                     block_size=4, device="cuda:0", dtype="bfloat16", num_layers=2,
+                     device_name="NVIDIA H200")
+    for parallel in (ParallelConfig(tensor_parallel_size=2), ParallelConfig(
+            pipeline_parallel_size=2)):
+        config = EngineConfig(parallel=parallel)
+        assert llm_engine.LLMEngine._load_latency_profile(config, info) is None
+    loaded, model = [], types.SimpleNamespace(metadata={})
+    monkeypatch.setattr(LatencyModel, "load", lambda path: loaded.append(path) or model)
+    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2),
+                          coserve=CoserveConfig(latency_profile=__file__))
+    assert llm_engine.LLMEngine._load_latency_profile(config, info) is model
+    assert loaded == [__file__]

@@ -109,6 +109,12 @@ class LLMEngine:
         path = config.coserve.latency_profile
         if path is not None:
             model = LatencyModel.load(path)
+        elif config.parallel.world_size > 1:
+            # Saved profiles time one GPU (`flexserve profile`), not these ranks' iterations.
+            logger.info("%d ranks: no latency profile (profiles time one GPU); fine-tuning "
+                        "windows start small and grow from measured iterations",
+                        config.parallel.world_size)
+            return None
         else:
             model = load_matching_profile(envs.home(), info.device_name, info.name,
                                           info.dtype)
