@@ -25,7 +25,12 @@ ENGINE = dict(num_blocks=64, block_size=4, max_num_batched_tokens=12,
 
 
 def tokens(llm: LLM, temperature: float = 0.0, **kwargs) -> list[list[int]]:
-    params = SamplingParams(max_tokens=8, temperature=temperature, seed=7, ignore_eos=True)
+    # Seeded sampling with penalties: the ranks' copies of the output tokens (sent as they
+    # grow, `plan_wire`) decide every step's logits.
+    penalties = {} if temperature == 0.0 else dict(repetition_penalty=1.3,
+                                                  frequency_penalty=0.5, presence_penalty=0.2)
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=7, ignore_eos=True,
+                            **penalties)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False,
                                                           **kwargs)]
 

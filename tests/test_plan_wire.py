@@ -30,9 +30,16 @@ def test_prompts_travel_once_and_come_back_on_every_rank():
                 (r.request_id, r.prompt_token_ids) for r in plan.sequences]
         return len(payload)
 
-    first = send(BatchPlan(sequences=[row(k, p, []) for k, p in prompts.items()]))
-    second = send(BatchPlan(sequences=[row(k, p, [7]) for k, p in prompts.items()]))
-    assert second < first / 4  # the prompts stayed on the ranks
+    outputs = {k: [] for k in prompts}
+    first = send(BatchPlan(sequences=[row(k, p, outputs[k]) for k, p in prompts.items()]))
+    for step in range(3):  # the engine's lists grow; the ranks get what is new
+        for k in outputs:
+            outputs[k].append(100 + step)
+        later = send(BatchPlan(sequences=[row(k, p, outputs[k]) for k, p in prompts.items()]))
+        assert later < first / 3  # the prompts stayed on the ranks
+    for rank in ranks:
+        assert all(rank._outputs[k] == outputs[k] and rank._outputs[k] is not outputs[k]
+                   for k in outputs)
     # r0 finished, r1 preempted: both sides forget them; r1's prompt travels again when it
     # comes back, and a request never seen before brings its own.
     send(BatchPlan(sequences=[row("r2", prompts["r2"], [7, 8])],
@@ -53,4 +60,10 @@ def test_a_rank_that_missed_a_prompt_fails_loudly():
     sender.encode(BatchPlan(sequences=[row("r0", [1, 2], [])]))
     with pytest.raises(KeyError):
         PromptCache().decode(sender.encode(BatchPlan(sequences=[row("r0", [1, 2], [3])])))
+    # A rank whose outputs fell out of step says so rather than sampling from wrong penalties.
+    sender, rank = PlanSender(), PromptCache()
+    rank.decode(sender.encode(BatchPlan(sequences=[row("r1", [1, 2], [5])])))
+    rank._outputs["r1"] = []
+    with pytest.raises(ValueError, match="holds 0 output tokens"):
+        rank.decode(sender.encode(BatchPlan(sequences=[row("r1", [1, 2], [5, 6])])))
     assert pickle.loads(sender.encode(BatchPlan())).sequences == []
