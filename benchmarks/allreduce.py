@@ -1,0 +1,101 @@
+"""The all-reduces of one tensor-parallel decode step, alone: their time per step against the step.
+
+A Llama decode step at N ranks runs two all-reduces per layer of [rows, hidden] activations (after
+o_proj and down_proj). This replays exactly those, `2 x num_layers` of them back to back through
+`TensorParallelGroup.all_reduce` (what the model calls), inside one CUDA graph as the decode graphs
+hold them, and reports the time per step: with a TPOT measured at the same rank count
+(`offline_throughput.py --tensor-parallel-size N`) it gives the all-reduce share of a decode
+step.
+
+    python benchmarks/allreduce.py --tensor-parallel-size 2 --batch-sizes 1 32 128 --out
+    python benchmarks/allreduce.py --device cpu --tensor-parallel-size 2   # gloo smoke test
+
+Llama-3.1-8B's shape by default (hidden 4096, 32 layers, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
+from benchmarks import harness  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    import torch
+
+    from flexserve.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    group = init_tensor_parallel(rank, args.tensor_parallel_size, f"tcp://127.0.0.1:{port}",
+                                 "nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for batch in args.batch_sizes:
+        x = torch.ones(batch, args.hidden_size, dtype=dtype, device=device)
+
+        def step(x=x) -> None:
+            for _ in range(2 * args.num_layers):
+                group.all_reduce(x)
+
+        if cuda:
+            for _ in range(3):
+                step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            ms = harness.mean_ms(graph.replay, warmup=5, iters=args.iters)
+        else:
+            ms = harness.time_ms(step, warmup=2, iters=args.iters, device="cpu")
+        rows.append({"batch": batch, "allreduces_per_step": 2 * args.num_layers,
+                     "bytes_each": batch * args.hidden_size * x.element_size(),
+                     "ms_per_step": round(ms, 4),
+                     "us_each": round(ms * 1e3 / (2 * args.num_layers), 2)})
+    if rank == 0:
+        queue.put(rows)
+    destroy_tensor_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--hidden-size", type=int, default=4096)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    harness.add_out_argument(parser)
+    args = parser.parse_args()
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_rank, args=(r, args, port, queue))
+                 for r in range(args.tensor_parallel_size)]
+    for p in processes:
+        p.start()
+    rows = queue.get(timeout=600)
+    for p in processes:
+        p.join()
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
+    for row in rows:
+        writer.write({"tensor_parallel_size": args.tensor_parallel_size, "device": args.device,
+                      "hidden_size": args.hidden_size, "dtype": args.dtype, **row})
+
+
+if __name__ == "__main__":
+    main()
