@@ -50,6 +50,7 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
     "flexserve-eager" (no CUDA graphs) or "flexserve-no-lora" (no LoRA slots)."""
     from flexserve import LLM, SamplingParams
 
+    ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     llm = LLM(
         args.model,
         load_format=args.load_format,
@@ -60,10 +61,11 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=False,  # repeated prompts must not be served from the cache
         enforce_eager=backend == "flexserve-eager",
-        # LoRA serving needs one device (docs/scaling_out.md)
-        enable_lora=backend != "flexserve-no-lora" and args.tensor_parallel_size == 1,
+        # LoRA is off by default above one device (docs/scaling_out.md)
+        enable_lora=backend != "flexserve-no-lora" and ranks == 1,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
     results = []
     if prefill_prompt is not None:
@@ -77,6 +79,7 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
             times.append(time.perf_counter() - t0)
         results.append({"backend": backend, "async_scheduling": args.async_scheduling,
                         "tensor_parallel_size": args.tensor_parallel_size,
+                        "pipeline_parallel_size": args.pipeline_parallel_size,
                         "prefill_tokens": len(prefill_prompt),
                         "prefill_s": round(sorted(times)[1], 5)})
     for batch, prompts in prompts_by_batch.items():
@@ -95,7 +98,8 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
         results.append({**_row(backend, batch, args, prefill_s, total_s, num_out),
                         "async_scheduling": args.async_scheduling,
-                        "tensor_parallel_size": args.tensor_parallel_size})
+                        "tensor_parallel_size": args.tensor_parallel_size,
+                        "pipeline_parallel_size": args.pipeline_parallel_size})
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -184,6 +188,10 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs of this host the flexserve backends shard the model over "
                              "(LoRA off above 1) [%(default)s]")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages of --tensor-parallel-size GPUs each (LoRA off "
+                             "above 1 GPU; the floors divide by the tensor-parallel ranks "
+                             "only, as a step crosses the stages one after another) [%(default)s]")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="flexserve: launch each decode step before the previous one's "
                              "tokens reach the host [on]")
