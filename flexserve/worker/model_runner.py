@@ -472,6 +472,9 @@ class ModelRunner:
             if self.pp.is_last:
                 outputs.append(out)
             else:
+                if any(t.dtype != self.dtype for t in out):  # the next stage receives this dtype
+                    raise RuntimeError(f"stage {self.pp.stage} would send "
+                                       f"{[t.dtype for t in out]}, not {self.dtype}")
                 self.pp.send_next(out)
         if not self.pp.is_last:
             return lambda: None
