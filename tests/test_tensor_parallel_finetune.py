@@ -245,3 +245,28 @@ def test_sharded_adapter_reduces_norms_and_gathers_like_the_whole(num_kv_heads):
         assert all(e.abs().max() < 1e-6 for e in errors.values())
         assert norm == pytest.approx(float(whole_norm), rel=1e-6)
         assert all(torch.equal(gathered[n], whole_weights[n]) for n in whole_weights)
+
+
+def test_a_ranks_own_failure_stops_the_ranks_and_a_shared_one_fails_the_job():
+    """Under tensor parallelism a job failure every rank meets alike (a non-finite loss or norm,
+    bad input) fails the job alone; one rank's own (out of memory, a bug) is raised, so the
+    executor stops every rank instead of leaving the others in a collective."""
+    from types import SimpleNamespace
+
+    from flexserve.worker.finetune.runner import FinetuneRunner
+
+    runner = FinetuneRunner.__new__(FinetuneRunner)
+    runner.model = SimpleNamespace(tp=SimpleNamespace(world_size=2))
+    runner.jobs, runner._faults, runner.device = {}, {}, torch.device("cpu")
+    runner.num_activation_bytes = 0
+    errors: dict[str, str] = {}
+    runner._fail("a", FloatingPointError("the training loss is nan"), errors, "a window")
+    runner._fail("b", ValueError("bad data"), errors, "a window")
+    assert errors == {"a": "the training loss is nan", "b": "bad data"}
+    for own in (torch.cuda.OutOfMemoryError("out of memory"), KeyError("a bug")):
+        with pytest.raises(type(own)):
+            runner._fail("c", own, errors, "a window")
+    assert "c" not in errors
+    runner.model = SimpleNamespace(tp=SimpleNamespace(world_size=1))  # one rank: the job alone
+    runner._fail("c", KeyError("a bug"), errors, "a window")
+    assert errors["c"] == "internal error during a window (KeyError)"
