@@ -36,13 +36,13 @@ class LLM:
     Keyword arguments are the fields of `ModelConfig`, `CacheConfig`, `SchedulerConfig`,
     `LoRAConfig`, `FinetuneConfig`, `CoserveConfig` and `ParallelConfig` (e.g. `dtype`,
     `max_model_len`, `max_num_batched_tokens`, `num_blocks`, `kv_cache_gib`, `max_loras`,
-    `max_lora_rank`, `policy`, `slo_tpot_ms`, `tensor_parallel_size`). LoRA slots are on by
-    default (`finetune` needs one per job, and
+    `max_lora_rank`, `policy`, `slo_tpot_ms`, `tensor_parallel_size`,
+    `pipeline_parallel_size`). LoRA slots are on by default (`finetune` needs one per job, and
     `generate(..., lora_request=LoRARequest(name, id, path))` uses adapters); a batch without
-    adapters runs only the base GEMMs. `enable_lora=False` allocates none; with
-    `tensor_parallel_size` > 1 LoRA is off unless asked for (`enable_lora=True` or a LoRA
-    option): adapters are then served sharded over the ranks, and `finetune` is refused (jobs
-    need one device). `shutdown()` stops tensor-parallel workers. Offline there is no
+    adapters runs only the base GEMMs. `enable_lora=False` allocates none; above one rank LoRA
+    is off unless asked for (`enable_lora=True` or a LoRA option): adapters are then served
+    sharded over the ranks, and `finetune` trains across tensor-parallel ranks (it is refused
+    under pipeline parallelism). `shutdown()` stops the ranks' workers. Offline there is no
     latency SLO unless `slo_tpot_ms` is given: fine-tuning windows then fill the token budget.
     """
 
