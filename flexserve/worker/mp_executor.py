@@ -1,8 +1,10 @@
-"""The `mp` executor: tensor-parallel ranks as worker processes on this host.
+"""The `mp` executor: the ranks (tensor-parallel, of every pipeline stage) as worker processes on
+this host.
 
 Every rank is a spawned process (`tp_worker.run_worker`) with its shard of the model, joined
 over torch.distributed (gloo on CPU, NCCL on CUDA). Each plan goes to every rank through its
-pipe; rank 0's `StepResult` is the step's. The engine process holds no model: it watches the
+pipe (`plan_wire`); the driver rank's `StepResult` is the step's (`ParallelConfig.driver_rank`:
+the last stage's first rank, rank 0 without pipeline stages). The engine process holds no model: it watches the
 pipes and the processes together, so a rank that dies makes the step raise at once instead of
 leaving the engine waiting on a collective that never completes.
 """
@@ -32,7 +34,8 @@ SHUTDOWN_TIMEOUT_S = 10.0  # how long ranks get to leave before they are termina
 
 
 class MultiprocExecutor(DistributedExecutor):
-    """Drives `tensor_parallel_size` worker processes as one executor (`engine.executor`)."""
+    """Drives one worker process per rank (every pipeline stage's tensor-parallel ranks) as one
+    executor (`engine.executor`)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
                  tokenizer: Any | None, eos_token_id: int | None) -> None:

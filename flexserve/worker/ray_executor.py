@@ -1,13 +1,15 @@
-"""The `ray` executor: tensor-parallel ranks as Ray actors, on one host or across a cluster.
+"""The `ray` executor: the ranks (tensor-parallel, of every pipeline stage) as Ray actors, on one
+host or across a cluster.
 
 Every rank is a `RankActor` in one placement group (one bundle per rank: a GPU and a CPU on
 CUDA, a CPU otherwise), so Ray places the ranks on the cluster's nodes and restarts none of them
 behind the engine's back. The ranks join one torch.distributed group (NCCL on CUDA, gloo on CPU)
 whose rendezvous is rank 0's node. The engine process connects to the cluster named by
 `RAY_ADDRESS` or started on this host with `ray start --head` (a local one when there is none),
-sends each plan to every actor (an actor runs its calls in the order sent) and takes rank 0's
-`StepResult`. It waits on all ranks at once: a rank that dies or raises stops the others and
-fails the step at once, instead of leaving the engine waiting on a collective that never ends.
+sends each plan to every actor (pickled once, `plan_wire`; an actor runs its calls in the order
+sent) and takes the driver rank's `StepResult` (`ParallelConfig.driver_rank`). It waits on all
+ranks at once: a rank that dies or raises stops the others and fails the step at once, instead
+of leaving the engine waiting on a collective that never ends.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class RankActor:
 
 
 class RayExecutor(DistributedExecutor):
-    """Drives `tensor_parallel_size` Ray actors as one executor (`engine.executor`)."""
+    """Drives one Ray actor per rank (every pipeline stage's tensor-parallel ranks) as one
+    executor (`engine.executor`)."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, max_model_len: int,
                  tokenizer: Any | None, eos_token_id: int | None) -> None:
