@@ -50,7 +50,7 @@ class DistributedExecutor(ABC):
 
     @abstractmethod
     def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
-        """Send the plan to every rank; the returned call waits for all of them (rank 0's
+        """Send the plan to every rank; the returned call waits for all of them (the driver's
         result). Plans run in the order sent, so a continuation plan follows the one before."""
 
     @abstractmethod
@@ -63,7 +63,7 @@ class DistributedExecutor(ABC):
         `rank_reply` of their replies."""
 
     def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`ModelRunner.method(*args, **kwargs)` on every rank (`RANK_METHODS`): rank 0's
+        """`ModelRunner.method(*args, **kwargs)` on every rank (`RANK_METHODS`): the driver's
         value; ValueError when a rank refused it (the ranks stay up)."""
         check_rank_method(method)
         reply = self._call_ranks(RankCall(method, args, kwargs))

@@ -97,8 +97,9 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
                resolved: ResolvedModel, max_model_len: int, eos_token_id: int | None,
                conn: Connection) -> None:
     """The worker process's main: replies `WorkerReady` (or `WorkerError`) once, then for every
-    `BatchPlan` received the `StepResult` (rank 0) or None (other ranks), a `WorkerError` when
-    the plan raised, and for every `RankCall` its value (rank 0) or `RankCallError`; stops at
+    `BatchPlan` received the `StepResult` (the driver rank, `ParallelConfig.driver_rank`) or None
+    (other ranks), a `WorkerError` when the plan raised, and for every `RankCall` its value (the
+    driver) or `RankCallError`; stops at
     None or when the engine's end of the pipe closes."""
     # Ctrl-C reaches the whole process group: the engine process decides when ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
