@@ -16,6 +16,8 @@ the plans to fit (each job's max_seq_len is its sequence length, so the budget i
     python benchmarks/finetune_throughput.py --seq-lens 4096 --targets down_proj \
         --finetune-activation-budget 5.5
     python benchmarks/finetune_throughput.py --seq-lens 4096 --tensor-parallel-size 2
+    python benchmarks/finetune_throughput.py --length-range 1024 8192 --num-sequences 16 \
+        --targets down_proj      # coserve.py's job mix, offline
 
 `--window-attention flash|cudnn-buckets` sets FLEXSERVE_WINDOW_ATTENTION (what whole-prefix
 backward windows run on, `backward_ops.window_attention`); the engine's start-up warm-up builds
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -45,6 +48,12 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--length-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                        default=None,
+                        help="instead of --seq-lens: each case trains --num-sequences sequences "
+                             "of lengths uniform in [MIN, MAX] (seeded), the mix of "
+                             "`coserve.py`'s job (its --finetune-lengths), so the server's "
+                             "finetune-only run has an offline counterpart")
     parser.add_argument("--targets", nargs="+", default=["down_proj", "all"])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--num-sequences", type=int, default=2)
@@ -110,6 +119,11 @@ def main() -> None:
         # and the forward applies them as tensors
         capture._keeps_dropout_tensors = (lambda *_: True) if torch_path else keeps_dropout_tensors
 
+    if args.length_range is not None:
+        lo, hi = args.length_range
+        if not 2 <= lo <= hi:
+            parser.error(f"--length-range needs 2 <= MIN <= MAX, got {lo} {hi}")
+        args.seq_lens = [hi]  # one case per target set; its sequences' lengths vary
     max_len = max(args.seq_lens)
     llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
               max_model_len=max_len + 16, enable_lora=True, max_lora_rank=args.rank,
@@ -135,12 +149,17 @@ def main() -> None:
     for targets, seq_len, lora_dropout, lora_backward in tqdm(cases, desc="fine-tuning cases"):
         use_lora_backward(lora_backward)
         g = torch.Generator().manual_seed(seq_len)
-        examples = [TrainingExample(i + 1, torch.randint(100, vocab - 100, (seq_len,),
+        lengths = [seq_len] * (args.num_sequences + 1)
+        if args.length_range is not None:  # the warm-up sequence is the longest
+            rng = random.Random(f"finetune-lengths-{args.length_range}")
+            lengths = [args.length_range[1]] + [rng.randint(*args.length_range)
+                                                for _ in range(args.num_sequences)]
+        examples = [TrainingExample(i + 1, torch.randint(100, vocab - 100, (n,),
                                                          generator=g).tolist(),
-                                    [False] + [True] * (seq_len - 1))
-                    for i in range(args.num_sequences + 1)]
-        data = TrainingData("text", examples, [], seq_len * len(examples),
-                            (seq_len - 1) * len(examples))
+                                    [False] + [True] * (n - 1))
+                    for i, n in enumerate(lengths)]
+        data = TrainingData("text", examples, [], sum(lengths), sum(n - 1 for n in lengths))
+        num_timed_tokens = sum(lengths[1:])
         hp = Hyperparameters.from_dict({
             "batch_size": 1, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-4,
             "max_seq_len": seq_len,  # what the activation budget is sized for
@@ -174,9 +193,10 @@ def main() -> None:
         if distributed:
             writer.write({
                 "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
+                "length_range": args.length_range,
                 "tensor_parallel_size": args.tensor_parallel_size,
                 "lora_dropout": lora_dropout, "status": job.status.value,
-                "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
+                "tokens_per_s": round(num_timed_tokens / elapsed, 1),
                 "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
                 "extra_memory_in_use_gb_per_gpu": [
                     round((after - b) / 1e9, 3) for after, b in zip(gpus_in_use(), before_gpus)],
@@ -193,6 +213,7 @@ def main() -> None:
         plan = layers.plans[-1]
         row = {
             "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
+                "length_range": args.length_range,
             "remat_threshold": plan.remat_threshold, "remat_chains": plan.chains,
             "stored": sorted(plan.stored),
             "activation_budget_gib": args.finetune_activation_budget,
@@ -204,7 +225,7 @@ def main() -> None:
             "lora_dropout": lora_dropout,
             "lora_backward": lora_backward,
             "window_attention": window_attention(),
-            "status": job.status.value, "tokens_per_s": round(args.num_sequences * seq_len / elapsed, 1),
+            "status": job.status.value, "tokens_per_s": round(num_timed_tokens / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
             "peak_extra_memory_gb": round(peak / 1e9, 3),
             "plan_activation_gb": round(layers.bytes_per_token * seq_len / 1e9, 3),
