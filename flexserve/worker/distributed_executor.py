@@ -11,6 +11,7 @@ raises `WorkerDiedError`, and every later step raises it too.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -48,25 +49,33 @@ class DistributedExecutor(ABC):
     def execute(self, plan: BatchPlan) -> StepResult:
         return self.execute_async(plan)()
 
-    @abstractmethod
     def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
         """Send the plan to every rank; the returned call waits for all of them (the driver's
         result). Plans run in the order sent, so a continuation plan follows the one before."""
+        start = time.perf_counter()
+        wait = self._submit(plan)
+
+        def wait_result() -> StepResult:
+            result = wait()
+            result.execute_time = time.perf_counter() - start
+            return result
+
+        return wait_result
 
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the ranks; idempotent."""
 
     @abstractmethod
-    def _call_ranks(self, call: RankCall) -> Any:
-        """Send `call` to every rank after the plans sent before it and wait for all of them:
-        `rank_reply` of their replies."""
+    def _submit(self, message: BatchPlan | RankCall) -> Callable[[], Any]:
+        """Send `message` to every rank (`PlanSender.encode`d), after those sent before; the
+        call that waits for all of them and returns `rank_reply` of their replies."""
 
     def call_ranks(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`ModelRunner.method(*args, **kwargs)` on every rank (`RANK_METHODS`): the driver's
         value; ValueError when a rank refused it (the ranks stay up)."""
         check_rank_method(method)
-        reply = self._call_ranks(RankCall(method, args, kwargs))
+        reply = self._submit(RankCall(method, args, kwargs))()
         if isinstance(reply, RankCallError):
             raise ValueError(reply.message)
         return reply

@@ -425,6 +425,15 @@ class ModelRunner:
             self._finetune().window_losses(capture, windows, errors)
         if windows:
             self._finetune().reference_logprobs(hidden, windows, num_inference_tokens, errors)
+        return self._sampling(rows, hidden, lambda: metadata.query_start_loc[1:] - 1, result,
+                              deferred, plan.continues_previous)
+
+    def _sampling(self, rows: list[ScheduledSequence], hidden: torch.Tensor,
+                  last_tokens: Callable[[], torch.Tensor], result: StepResult, deferred: bool,
+                  continues_previous: bool) -> Callable[[], Callable[[], None] | None]:
+        """The call that samples the rows that reached their end (`last_tokens()`: each row's
+        last token's index in `hidden`, on the device) and computes prompt logprobs; see
+        `_forward`."""
         def sample() -> Callable[[], None] | None:
             fill = None
             sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
@@ -432,10 +441,9 @@ class ModelRunner:
                 if len(sample_rows) == len(rows) and len(hidden) == len(rows):
                     index = None  # decode rows only: row i's last token is hidden[i]
                 else:
-                    last_token_index = metadata.query_start_loc[1:] - 1
-                    index = last_token_index[to_device(sample_rows, self.device, torch.int64)]
+                    index = last_tokens()[to_device(sample_rows, self.device, torch.int64)]
                 fill = self._sample(rows, sample_rows, hidden, index, result, deferred,
-                                    plan.continues_previous)
+                                    continues_previous)
             else:
                 self._last_sampled = self._last_sampled_host = None
             self._prompt_logprobs(rows, hidden, result)
@@ -479,20 +487,9 @@ class ModelRunner:
         if not self.pp.is_last:
             return lambda: None
         hidden = torch.cat(outputs)  # every row's tokens, in row order
-        last_token = np.cumsum([r.num_scheduled_tokens for r in rows]) - 1
-
-        def sample() -> Callable[[], None] | None:
-            fill = None
-            sample_rows = [i for i, r in enumerate(rows) if r.needs_sample]
-            if sample_rows:
-                index = to_device(last_token[sample_rows], self.device, torch.int64)
-                fill = self._sample(rows, sample_rows, hidden, index, result, deferred, False)
-            else:
-                self._last_sampled = self._last_sampled_host = None
-            self._prompt_logprobs(rows, hidden, result)
-            return fill
-
-        return sample
+        ends = np.cumsum([r.num_scheduled_tokens for r in rows]) - 1
+        return self._sampling(rows, hidden, lambda: to_device(ends, self.device, torch.int64),
+                              result, deferred, False)
 
     def _run_mixed_graph(self, input_ids: torch.Tensor, metadata: AttentionMetadata,
                          row_lens: list[int], row_slots: list[int], windows: list[FinetuneWindow],

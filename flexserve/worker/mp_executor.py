@@ -79,42 +79,21 @@ class MultiprocExecutor(DistributedExecutor):
         """The ranks' worker processes, in rank order."""
         return tuple(self._processes)
 
-    def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
-        """Send the plan to every rank; the returned call waits for all of them (`AsyncExecutor`).
-        Plans run in the order sent, so a continuation plan follows the one before it."""
-        start = time.perf_counter()
+    def shutdown(self) -> None:
+        """Stop the ranks (terminating those that do not leave in time); idempotent."""
+        self._finalizer()
+
+    def _submit(self, message: BatchPlan | RankCall) -> Callable[[], Any]:
         self._check_alive()
         index = self._num_sent
-        payload = self._sender.encode(plan)  # once for every rank
+        payload = self._sender.encode(message)  # once for every rank
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(payload)
             except OSError:  # its end of the pipe closed: the process is exiting or gone
                 self._fail(self._exit_reason(rank))
         self._num_sent += 1
-
-        def wait_result() -> StepResult:
-            result = self._result_of(index)
-            result.execute_time = time.perf_counter() - start
-            return result
-
-        return wait_result
-
-    def shutdown(self) -> None:
-        """Stop the ranks (terminating those that do not leave in time); idempotent."""
-        self._finalizer()
-
-    def _call_ranks(self, call: RankCall) -> Any:
-        self._check_alive()
-        index = self._num_sent
-        payload = self._sender.encode(call)
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(payload)
-            except OSError:
-                self._fail(self._exit_reason(rank))
-        self._num_sent += 1
-        return self._result_of(index)
+        return lambda: self._result_of(index)
 
     # ---------------------------------------------------------------------------------- internals
     def _result_of(self, index: int) -> StepResult:

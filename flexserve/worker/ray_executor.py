@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from collections.abc import Callable
 from typing import Any
 
 from flexserve.config import EngineConfig
-from flexserve.engine.plan import BatchPlan, StepResult
+from flexserve.engine.plan import BatchPlan
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
 from flexserve.worker.model_runner import resolve_device
@@ -63,17 +62,11 @@ class RankActor:
                                  eos_token_id, local_device=0)
         return worker_ready(self.runner)
 
-    def execute(self, payload: bytes) -> StepResult | None:
-        """Run a plan (`PlanSender.encode`d)."""
-        result = self.runner.execute(self.prompts.decode(payload))
-        return result if self.driver else None
+    def run(self, payload: bytes) -> Any:
+        """Run a plan or a `RankCall` (`PlanSender.encode`d): `run_message`'s reply."""
+        from flexserve.worker.tp_worker import run_message
 
-    def call(self, payload: bytes) -> Any:
-        """Run a `RankCall` (`PlanSender.encode`d)."""
-        from flexserve.worker.tp_worker import RankCallError, call_runner
-
-        result = call_runner(self.runner, self.prompts.decode(payload))
-        return result if self.driver or isinstance(result, RankCallError) else None
+        return run_message(self.runner, self.prompts.decode(payload), self.driver)
 
     def stop(self) -> None:
         from flexserve.distributed.parallel_state import destroy_tensor_parallel
@@ -137,27 +130,17 @@ class RayExecutor(DistributedExecutor):
         """The ranks' actor handles, in rank order."""
         return tuple(self._actors)
 
-    def execute_async(self, plan: BatchPlan) -> Callable[[], StepResult]:
-        start = time.perf_counter()
+    def _submit(self, message: BatchPlan | RankCall) -> Callable[[], Any]:
         if self._error is not None:
             raise self._error
-        payload = self._ray.put(self._sender.encode(plan))  # once for every actor
-        refs = [a.execute.remote(payload) for a in self._actors]
+        payload = self._ray.put(self._sender.encode(message))  # once for every actor
+        refs = [a.run.remote(payload) for a in self._actors]
 
-        def wait_result() -> StepResult:
-            result = self._gather(refs, self._driver)
-            result.execute_time = time.perf_counter() - start
-            return result
+        def wait() -> Any:
+            self._gather(refs)
+            return rank_reply(self._ray.get(refs), self._driver)
 
-        return wait_result
-
-    def _call_ranks(self, call: RankCall) -> Any:
-        if self._error is not None:
-            raise self._error
-        payload = self._ray.put(self._sender.encode(call))
-        refs = [a.call.remote(payload) for a in self._actors]
-        self._gather(refs)
-        return rank_reply(self._ray.get(refs), self._driver)
+        return wait
 
     def shutdown(self) -> None:
         """Stop the actors and free their placement group; idempotent."""
@@ -175,9 +158,9 @@ class RayExecutor(DistributedExecutor):
             except Exception:  # noqa: BLE001 - the cluster is gone already
                 pass
 
-    def _gather(self, refs: list[Any], index: int = 0) -> Any:
-        """Rank `index`'s reply once every rank replied; a rank that raised or died stops all
-        of them and raises `WorkerDiedError` naming it, without waiting for the others."""
+    def _gather(self, refs: list[Any]) -> Any:
+        """Rank 0's reply once every rank replied; a rank that raised or died stops all of
+        them and raises `WorkerDiedError` naming it, without waiting for the others."""
         ray = self._ray
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
@@ -190,7 +173,7 @@ class RayExecutor(DistributedExecutor):
                     self._fail(f"tensor-parallel rank {rank_of[ref]} (Ray actor) died: {e}")
                 except ray.exceptions.RayTaskError as e:
                     self._fail(f"tensor-parallel rank {rank_of[ref]} failed:\n{e}")
-        return ray.get(refs[index])
+        return ray.get(refs[0])
 
     def _fail(self, reason: str) -> None:
         self._error = WorkerDiedError(reason)

@@ -79,6 +79,15 @@ def call_runner(runner: ModelRunner, call: RankCall) -> Any:
         return RankCallError(str(e))
 
 
+def run_message(runner: ModelRunner, message: Any, driver: bool) -> Any:
+    """Run a plan (its `StepResult`) or a `RankCall` (its value, or `RankCallError`); the
+    reply a rank sends back: the result on the driver rank, a `RankCallError` on any rank,
+    None otherwise."""
+    result = call_runner(runner, message) if isinstance(message, RankCall) else \
+        runner.execute(message)
+    return result if driver or isinstance(result, RankCallError) else None
+
+
 def rank_reply(replies: list[Any], driver: int = 0) -> Any:
     """What the engine gets from all ranks' replies: the first `RankCallError`, else the
     driver's (`ParallelConfig.driver_rank`: the rank that samples)."""
@@ -121,15 +130,11 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
             if plan is None:
                 break
             try:
-                if isinstance(plan, RankCall):
-                    result = call_runner(runner, plan)
-                else:
-                    result = runner.execute(plan)
+                reply = run_message(runner, plan, rank == config.parallel.driver_rank)
             except Exception:
                 conn.send(WorkerError(rank, traceback.format_exc()))
                 continue
-            driver = rank == config.parallel.driver_rank
-            conn.send(result if driver or isinstance(result, RankCallError) else None)
+            conn.send(reply)
     finally:
         destroy_tensor_parallel()
 
