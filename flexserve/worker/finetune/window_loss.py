@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flexserve.distributed.parallel_state import TensorParallelGroup
 from flexserve.layers.device_copy import HostCopy, to_device
 from flexserve.worker.finetune.layer_backward import rmsnorm_backward, rmsnorm_forward
 
@@ -82,26 +83,29 @@ def _chunks(source: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chu
 
 @dataclass(slots=True)
 class VocabShard:
-    """Under tensor parallelism, this rank's rows of lm_head: vocabulary ids [first, first +
-    valid) (the last rank's rows past the vocabulary are padding). The cross-entropy is then
-    Megatron-LM's vocab-parallel one: the ranks agree on each row's maximum and exp-sum and on
-    its target's logit with three all-reduces of one value per row, never gathering logits."""
+    """The rows of lm_head this rank holds: vocabulary ids [first, first + valid); all of them
+    on one rank. Under tensor parallelism (the last rank's rows past the vocabulary are padding)
+    the cross-entropy is Megatron-LM's vocab-parallel one: the ranks agree on each row's maximum
+    and exp-sum and on its target's logit with all-reduces of one value per row, never
+    gathering logits; on one rank those all-reduces are no-ops."""
 
     tp: Any
     first: int
     valid: int
 
     @classmethod
-    def of(cls, model: Any) -> VocabShard | None:
+    def of(cls, model: Any) -> VocabShard:
         tp = getattr(model, "tp", None)
         if tp is None or tp.world_size == 1:
-            return None
+            return cls(TensorParallelGroup(), 0, model.lm_head.weight.shape[0])
         layout = model.layout
         return cls(tp, layout.vocab_start, max(0, layout.vocab_end - layout.vocab_start))
 
     def num_correct(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """How many rows' argmax over the whole vocabulary is their target (the first of equal
         maxima, as `argmax` on one rank)."""
+        if self.tp.world_size == 1:
+            return (logits.argmax(dim=-1) == targets).sum()
         n = logits.shape[0]
         big = torch.iinfo(torch.int64).max
         if self.valid:
@@ -118,27 +122,38 @@ class VocabShard:
                       loss_dtype: torch.dtype, grad_scale: float | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the summed cross-entropy of the first len(targets) rows, grad_scale x its gradient
-        with respect to `logits` in their dtype, zero on the other rows; None when grad_scale
-        is None), computed in `loss_dtype`, as `window_loss_async` does on one rank."""
+        with respect to `logits`, written into `logits` in their dtype and zero on the other
+        rows; None when grad_scale is None), computed in `loss_dtype`.
+
+        The softmax runs in place in one wide copy, whose model-dtype source then takes the
+        gradient: 6 bytes per logit at once for bf16 (1024 rows of Llama 3's 128,256: 0.79 GB),
+        where log_softmax, exp and a cast would hold 10 (1.31 GB). The same math as
+        log_softmax: log p = (x - max) - log(sum(exp(x - max)))."""
         num = targets.shape[0]
-        local = targets - self.first
-        here = ((local >= 0) & (local < self.valid))[:, None]
-        local = local.clamp(0, logits.shape[1] - 1)[:, None]
         wide = logits.to(loss_dtype)
-        wide[:, self.valid:] = float("-inf")
+        if self.tp.world_size == 1:  # every target is a column here
+            local, here = targets[:, None], None
+        else:
+            local = targets - self.first
+            here = ((local >= 0) & (local < self.valid))[:, None]
+            local = local.clamp(0, logits.shape[1] - 1)[:, None]
+            wide[:, self.valid:] = float("-inf")
         wide.sub_(self.tp.all_reduce(wide.amax(dim=-1, keepdim=True), "max"))
-        shifted = self.tp.all_reduce(
-            torch.where(here, wide[:num].gather(1, local), torch.zeros((), dtype=loss_dtype,
-                                                                      device=wide.device)))
+        shifted = wide[:num].gather(1, local)
+        if here is not None:
+            shifted = self.tp.all_reduce(torch.where(here, shifted, torch.zeros_like(shifted)))
         wide.exp_()
         sums = self.tp.all_reduce(wide.sum(dim=-1, keepdim=True))
         loss = -(shifted - sums[:num].log()).sum()
         if grad_scale is None:
             return loss, None
+        # d CE / d logits = softmax - onehot(target); padding rows get none
         wide.div_(sums)
         wide[num:] = 0.0
-        wide[:num].scatter_add_(1, local, -here.to(loss_dtype))
-        return loss, (wide * grad_scale).to(logits.dtype)
+        wide[:num].scatter_add_(1, local, torch.full_like(shifted, -1.0) if here is None
+                                else -here.to(loss_dtype))
+        torch.mul(wide, grad_scale, out=logits)  # the model-dtype gradient, cast once
+        return loss, logits
 
 
 @dataclass(slots=True)
@@ -219,37 +234,14 @@ def window_loss_async(
     for index, chunk_targets, x in _chunks(stream, rows, target_ids, chunk_rows):
         num = index.shape[0]
         logits = F.linear(rmsnorm_forward(x, norm.weight, norm.variance_epsilon), weight)
-        if vocab is not None:
-            correct += vocab.num_correct(logits[:num], chunk_targets)
-            loss, grad_logits = vocab.loss_and_grad(logits, chunk_targets, loss_dtype, grad_scale)
-            total += loss
-            del logits
-            grad_hidden = vocab.tp.all_reduce((grad_logits @ weight).float())
-            del grad_logits
-            grad = rmsnorm_backward(x, norm.weight, norm.variance_epsilon, grad_hidden)
-            grad_out.index_copy_(0, index, grad[:num])
-            continue
-        correct += (logits[:num].argmax(dim=-1) == chunk_targets).sum()
-        # The softmax in place in one wide copy, whose model-dtype source then takes the
-        # gradient: 6 bytes per logit at once for bf16 (1024 rows of Llama 3's 128,256: 0.79 GB),
-        # where log_softmax, exp and a cast would hold 10 (1.31 GB). The same math as
-        # log_softmax: log p = (x - max) - log(sum(exp(x - max))).
-        wide = logits.to(loss_dtype)
-        wide.sub_(wide.amax(dim=-1, keepdim=True))
-        shifted = wide[:num].gather(1, chunk_targets[:, None])
-        wide.exp_()
-        sums = wide.sum(dim=-1, keepdim=True)
-        total -= (shifted - sums[:num].log()).sum()
-        # d CE / d logits = softmax - onehot(target); padding rows get none
-        wide.div_(sums)
-        wide[num:] = 0.0
-        wide[:num].scatter_add_(1, chunk_targets[:, None], torch.full_like(shifted, -1.0))
-        torch.mul(wide, grad_scale, out=logits)  # the model-dtype gradient, cast once
-        del wide  # before the next chunk's logits exist
-        grad_hidden = (logits @ weight).float()
+        correct += vocab.num_correct(logits[:num], chunk_targets)
+        loss, grad_logits = vocab.loss_and_grad(logits, chunk_targets, loss_dtype, grad_scale)
+        total += loss
+        # under tensor parallelism each rank's lm_head rows give a share of dL/dhidden
+        grad_hidden = vocab.tp.all_reduce((grad_logits @ weight).float())
+        del logits, grad_logits  # before the next chunk's logits exist
         grad = rmsnorm_backward(x, norm.weight, norm.variance_epsilon, grad_hidden)
         grad_out.index_copy_(0, index, grad[:num])
-        del logits
     return PendingWindowLoss(torch.stack([total, correct.to(loss_dtype)]), rows.shape[0])
 
 
@@ -276,13 +268,7 @@ def window_logprob_sum_async(
     vocab = VocabShard.of(model)
     for index, chunk_targets, x in _chunks(hidden, rows, target_ids, chunk_rows):
         logits = F.linear(x, weight)[:index.shape[0]]
-        if vocab is not None:
-            correct += vocab.num_correct(logits, chunk_targets)
-            total += vocab.loss_and_grad(logits, chunk_targets, loss_dtype, None)[0]
-            del logits
-            continue
-        correct += (logits.argmax(dim=-1) == chunk_targets).sum()
-        logprobs = torch.log_softmax(logits.to(loss_dtype), dim=-1)
-        total -= logprobs.gather(1, chunk_targets[:, None]).sum()
-        del logits, logprobs
+        correct += vocab.num_correct(logits, chunk_targets)
+        total += vocab.loss_and_grad(logits, chunk_targets, loss_dtype, None)[0]
+        del logits
     return PendingWindowLoss(torch.stack([total, correct.to(loss_dtype)]), rows.shape[0])
