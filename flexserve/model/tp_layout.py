@@ -104,12 +104,8 @@ class TensorParallelLayout:
         whole (its input is whole on every rank); a row-parallel projection's A by input
         columns like its weight, B whole: each rank's delta is then partial like its base
         output, and the all-reduce after the projection sums both."""
-        index = self.checkpoint_index(f"{target}.weight", (lora_b.shape[0], lora_a.shape[1]))
-        if index is None:
-            return lora_a, lora_b
-        if len(index) == 1:
-            return lora_a, lora_b[index[0]]
-        return lora_a[:, index[1]], lora_b
+        a, b = self.lora_index(target, "A"), self.lora_index(target, "B")
+        return lora_a if a is None else lora_a[a], lora_b if b is None else lora_b[b]
 
     def lora_index(self, target: str, half: str) -> tuple[slice, ...] | None:
         """This rank's part (`lora_shard`) of LoRA tensor `half` ("A" [r, in] or "B" [out, r])

@@ -208,6 +208,12 @@ class _Job:
         self.sharded.reduce_grads(grads)
         return self.optimizer.step_norm(lambda: self.sharded.total_norm(grads))
 
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the job's saves: rank 0 of a tensor-parallel group
+        (after every rank took part in `whole`), the only one otherwise."""
+        return self.sharded is None or self.sharded.tp.rank == 0
+
     def adapter(self) -> LoRAAdapter:
         """The current weights as a LoRA adapter on the CPU (fp32); under tensor parallelism a
         collective every rank calls."""
@@ -368,7 +374,7 @@ class FinetuneRunner:
     def save_adapter(self, job_id: str, path: str, base_model_name_or_path: str | None) -> None:
         job = self._job(job_id)
         adapter = job.adapter()
-        if job.sharded is None or job.sharded.tp.rank == 0:  # rank 0 writes what all gathered
+        if job.writes_files:
             save_peft_adapter(adapter, path, base_model_name_or_path)
 
     def adapter(self, job_id: str) -> LoRAAdapter:
@@ -390,8 +396,8 @@ class FinetuneRunner:
         adapter = job.adapter()
         tensors, config = job.optimizer.checkpoint_state()
         tensors = {key: t.cpu() for key, t in job.whole(tensors).items()}
-        if job.sharded is not None and job.sharded.tp.rank != 0:
-            return  # rank 0 writes what all gathered
+        if not job.writes_files:
+            return
 
         def write(path: str) -> None:
             save_peft_adapter(adapter, path, base_model_name_or_path)
