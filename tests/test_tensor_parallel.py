@@ -23,6 +23,7 @@ from flexserve.distributed.parallel_state import (
     TensorParallelGroup,
     destroy_tensor_parallel,
     init_tensor_parallel,
+    world_min,
 )
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.entrypoints.llm import LLM
@@ -226,7 +227,7 @@ def _run_collectives(rank: int, world_size: int, init_method: str, results) -> N
     try:
         summed = group.all_reduce(torch.full((3,), float(rank + 1)))
         gathered = group.all_gather(torch.full((2, 1), float(rank)), dim=-1)
-        results.put((rank, summed.tolist(), gathered.tolist(), group.min_int(10 - rank)))
+        results.put((rank, summed.tolist(), gathered.tolist(), world_min(10 - rank)))
     finally:
         destroy_tensor_parallel()
 
@@ -259,7 +260,7 @@ def test_collectives_over_gloo():
     # One rank: no process group, collectives return their input.
     group = init_tensor_parallel(0, 1, "unused", "gloo")
     x = torch.ones(2)
-    assert group.all_reduce(x) is x and group.all_gather(x) is x and group.min_int(4) == 4
+    assert group.all_reduce(x) is x and group.all_gather(x) is x and world_min(4) == 4
     assert not torch.distributed.is_initialized()
     destroy_tensor_parallel()
 

@@ -50,15 +50,16 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def min_int(self, value: int) -> int:
-        """The smallest of every process's `value`, over the whole world (every stage and
-        rank: the engine sizes the one KV cache block pool from it)."""
-        if not dist.is_initialized():
-            return value
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
+
+def world_min(value: int) -> int:
+    """The smallest of every process's `value`, over the whole world (every stage's every rank:
+    the engine sizes its one KV-cache block pool from it); `value` for one process."""
+    if not dist.is_initialized():
+        return value
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 class PipelineStage:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from flexserve.config import EngineConfig
-from flexserve.distributed.parallel_state import get_pp_stage, get_tp_group
+from flexserve.distributed.parallel_state import get_pp_stage, get_tp_group, world_min
 from flexserve.engine.lora_request import LoRARequest
 from flexserve.engine.plan import (
     BatchPlan,
@@ -201,8 +201,8 @@ class ModelRunner:
         peak = self._profile_activation_peak(max_model_len) if self.device.type == "cuda" else 0
         if self.lora_manager is not None:  # kept free for fine-tuning jobs' training state
             peak += self.lora_manager.finetune_state_bytes
-        # Every rank of a tensor-parallel group holds the same blocks: as many as the smallest fits.
-        self.num_blocks = self.tp.min_int(num_blocks_from_memory(
+        # Every rank (every stage) holds the same blocks: as many as the smallest fits.
+        self.num_blocks = world_min(num_blocks_from_memory(
             self.kv_cache_spec, self.config.cache, self.device, peak
         ))
         self.kv_caches = allocate_kv_caches(self.kv_cache_spec, self.num_blocks, self.device)
