@@ -58,14 +58,7 @@ class ShardedAdapter:
                 pieces.append((name, grads[name]))
             elif copies > 1:  # shared by some ranks: summed in a zero-padded whole tensor
                 pieces.append((name, self._placed(name, grads[name], owner_only=False)))
-        if not pieces:
-            return
-        flat = self.tp.all_reduce(torch.cat([t.reshape(-1) for _, t in pieces]))
-        offset = 0
-        for name, tensor in pieces:
-            n = tensor.numel()
-            reduced = flat[offset:offset + n].view(tensor.shape)
-            offset += n
+        for (name, tensor), reduced in zip(pieces, self._all_reduce([t for _, t in pieces])):
             grads[name].copy_(reduced if tensor is grads[name] else reduced[self._index(name)])
 
     def total_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -80,14 +73,15 @@ class ShardedAdapter:
         shaped like, its part here); one all-reduce for them all."""
         keys = sorted(tensors)
         placed = [self._placed(tensors[k][0], tensors[k][1], owner_only=True) for k in keys]
-        if not placed:
-            return {}
-        flat = self.tp.all_reduce(torch.cat([t.reshape(-1) for t in placed]))
-        out, offset = {}, 0
-        for key, tensor in zip(keys, placed):
-            out[key] = flat[offset:offset + tensor.numel()].view(tensor.shape)
-            offset += tensor.numel()
-        return out
+        return dict(zip(keys, self._all_reduce(placed)))
+
+    def _all_reduce(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's sum of each tensor, in one all-reduce of them all laid end to end."""
+        if not tensors:
+            return []
+        flat = self.tp.all_reduce(torch.cat([t.reshape(-1) for t in tensors]))
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]),
+                                                      tensors)]
 
     def _placed(self, name: str, part: torch.Tensor, owner_only: bool) -> torch.Tensor:
         """A zero whole tensor with `part` at this rank's place (zero everywhere when
