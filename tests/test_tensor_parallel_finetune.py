@@ -160,7 +160,12 @@ def test_tp3_smollm2_trains_like_hf_and_resumes_at_one_rank(smollm2_dir, tmp_pat
     one, one_losses, one_checkpoint = train(smollm2_dir, tmp_path, "one", initial_dir)
     got, losses, checkpoint = train(smollm2_dir, tmp_path, "tp3", initial_dir,
                                     tensor_parallel_size=3)
-    assert losses == pytest.approx(one_losses, rel=1e-3)
+    # The first step's loss comes from the same starting adapter: fp32 sums in another order.
+    # The second's comes from each run's own first update, and one process's update is itself
+    # 3.1e-3 off the fp64 reference (checked below), so the two second losses differ by more
+    # (1.3e-4 measured); the adapters are judged against fp64 instead.
+    assert losses[0] == pytest.approx(one_losses[0], rel=1e-5)
+    assert losses[1] == pytest.approx(one_losses[1], rel=1e-3)
     from transformers import AutoTokenizer
 
     jsonl = "\n".join(json.dumps(d) for d in DATA).encode()
