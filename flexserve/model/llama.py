@@ -385,13 +385,12 @@ class LlamaModel(nn.Module):
             if self.first_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
+        # The decoder layers this stage holds, in order (once: every forward walks them).
+        self.local_layers: tuple[nn.Module, ...] = tuple(
+            self.layers[self.first_layer:self.end_layer])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(config, layout.head_dim, max_position)
 
-    @property
-    def local_layers(self) -> list[nn.Module]:
-        """The decoder layers this stage holds, in order."""
-        return list(self.layers[self.first_layer:self.end_layer])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
