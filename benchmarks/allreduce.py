@@ -16,18 +16,11 @@ Llama-3.1-8B's shape by default (hidden 4096, 32 layers, bf16).
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root (benchmarks/README.md)
 from benchmarks import harness  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, queue) -> None:
@@ -83,7 +76,9 @@ def main() -> None:
 
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    from flexserve.distributed.parallel_state import free_port
+
+    port = free_port()
     processes = [context.Process(target=_rank, args=(r, args, port, queue))
                  for r in range(args.tensor_parallel_size)]
     for p in processes:

@@ -22,6 +22,7 @@ from flexserve.config import EngineConfig, LoRAConfig, ParallelConfig
 from flexserve.distributed.parallel_state import (
     TensorParallelGroup,
     destroy_tensor_parallel,
+    free_port,
     init_tensor_parallel,
     world_min,
 )
@@ -234,11 +235,8 @@ def _run_collectives(rank: int, world_size: int, init_method: str, results) -> N
 
 def test_collectives_over_gloo():
     import multiprocessing
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [context.Process(target=_run_collectives, args=(r, 2, init_method, results))

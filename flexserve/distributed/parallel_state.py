@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from typing import Any
 
 import torch
@@ -118,6 +119,13 @@ _stage = PipelineStage()
 def get_tp_group() -> TensorParallelGroup:
     """This process's tensor-parallel group (world size 1 unless `init_tensor_parallel` ran)."""
     return _group
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now ("": every interface), for the ranks' rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def get_pp_stage() -> PipelineStage:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import socket
 import time
 import weakref
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flexserve.config import EngineConfig
+from flexserve.distributed.parallel_state import free_port
 from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
@@ -43,7 +43,7 @@ class MultiprocExecutor(DistributedExecutor):
         world_size = config.parallel.world_size
         self._driver = config.parallel.driver_rank
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked into workers
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._processes: list[BaseProcess] = []
         self._conns: list[Connection] = []
         for rank in range(world_size):
@@ -169,9 +169,3 @@ def _stop_workers(processes: list[BaseProcess], conns: list[Connection]) -> None
     for conn in conns:
         conn.close()
 
-
-def _free_port() -> int:
-    """A TCP port free on the loopback interface now, for the ranks' rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -15,11 +15,11 @@ of leaving the engine waiting on a collective that never ends.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any
 
 from flexserve.config import EngineConfig
+from flexserve.distributed.parallel_state import free_port
 from flexserve.engine.plan import BatchPlan
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
@@ -45,10 +45,7 @@ class RankActor:
         """This node's address and a free port on it, for the group's rendezvous."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port("")
 
     def start(self, rank: int, world_size: int, init_method: str, config: EngineConfig,
               resolved: ResolvedModel, max_model_len: int, eos_token_id: int | None
