@@ -213,8 +213,9 @@ def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
     modules = parse_lora_modules(args.lora_modules)
     enable = args.enable_lora
     if enable is None:
-        enable = (getattr(args, "tensor_parallel_size", 1)
-                  * getattr(args, "pipeline_parallel_size", 1) == 1 or bool(given or modules))
+        ranks = ParallelConfig(tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                               pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
+        enable = ranks.world_size == 1 or bool(given or modules)
     if not enable:
         options = [f"--{k.replace('_', '-')}" for k in given] + (["--lora-modules"] if modules
                                                                   else [])
