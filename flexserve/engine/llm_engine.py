@@ -298,11 +298,7 @@ class LLMEngine:
         from flexserve.finetune.checkpoint import read_trainer_state
         from flexserve.finetune.steps import plan_training_steps
 
-        if self.config.parallel.pipeline_parallel_size > 1:
-            raise ValueError("fine-tuning does not run under pipeline parallelism (this engine "
-                             f"runs pipeline_parallel_size "
-                             f"{self.config.parallel.pipeline_parallel_size}); tensor "
-                             "parallelism trains across GPUs")
+        self.check_finetune_supported()
         self._adapters()
         hp = hyperparameters
         job_id = job_id or f"ftjob-{next(self._job_ids)}"
@@ -352,6 +348,15 @@ class LLMEngine:
                     "" if resume_from is None else f", resumed at step {job.step_index}")
         self._release_finished_jobs()  # a checkpoint of the last step has nothing left to run
         return job
+
+    def check_finetune_supported(self) -> None:
+        """ValueError when this engine's layout cannot train jobs (pipeline parallelism: a
+        job needs every layer's activations and gradients on one stage's ranks)."""
+        pp = self.config.parallel.pipeline_parallel_size
+        if pp > 1:
+            raise ValueError(f"fine-tuning does not run under pipeline parallelism (this engine "
+                             f"runs pipeline_parallel_size {pp}, --pipeline-parallel-size); "
+                             "tensor parallelism trains across GPUs")
 
     def cancel_finetune_job(self, job_id: str) -> FinetuneJobState:
         job = self.get_finetune_job(job_id)

@@ -183,11 +183,10 @@ async def _validated_job(service: FinetuneService, body: FineTuningJobCreateRequ
     if not engine.lora_enabled:
         raise bad_request("Fine-tuning needs LoRA slots: this server runs with --no-enable-lora "
                           "(each running job trains its adapter in a LoRA slot).")
-    pp = engine.engine.config.parallel.pipeline_parallel_size
-    if pp > 1:
-        raise bad_request(f"Fine-tuning does not run under pipeline parallelism: this server "
-                          f"runs --pipeline-parallel-size {pp}; run jobs on a server with one "
-                          "stage (--tensor-parallel-size trains across GPUs).")
+    try:
+        engine.engine.check_finetune_supported()
+    except ValueError as e:
+        raise bad_request(str(e)) from None
     hp = resolve_hyperparameters(body)
     init_adapter = _base_adapter(service, body.model, tenant)
     if init_adapter is not None:
