@@ -71,10 +71,6 @@ class MultiprocExecutor(DistributedExecutor):
                     ", ".join(f"rank {r}: pid {p.pid}" for r, p in enumerate(self._processes)))
 
     @property
-    def world_size(self) -> int:
-        return len(self._processes)
-
-    @property
     def processes(self) -> tuple[BaseProcess, ...]:
         """The ranks' worker processes, in rank order."""
         return tuple(self._processes)
@@ -108,7 +104,7 @@ class MultiprocExecutor(DistributedExecutor):
     def _receive_all(self) -> list[Any]:
         """One reply from every rank, in rank order; raises `WorkerDiedError` when a rank died
         or any replied with an error."""
-        replies: list[Any] = [None] * self.world_size
+        replies: list[Any] = [None] * len(self._conns)
         pending = dict(enumerate(self._conns))
         sentinels = {p.sentinel: rank for rank, p in enumerate(self._processes)}
         while pending:

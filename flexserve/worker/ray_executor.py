@@ -119,10 +119,6 @@ class RayExecutor(DistributedExecutor):
                     init_method)
 
     @property
-    def world_size(self) -> int:
-        return len(self._actors)
-
-    @property
     def actors(self) -> tuple[Any, ...]:
         """The ranks' actor handles, in rank order."""
         return tuple(self._actors)
