@@ -4,6 +4,7 @@ against the physical floors measured in the same run.
 Fixed-length random prompts, greedy, EOS ignored, so both backends produce exactly
 batch x output_len tokens. Backends: `flexserve` (the defaults: CUDA graphs for decode, LoRA
 slots reserved), `flexserve-eager` (--enforce-eager), `flexserve-no-lora` (--no-enable-lora),
+`flexserve-nccl` (--disable-custom-all-reduce: above one rank, every all-reduce through NCCL),
 `hf`. Also times one prefill of --prefill-len tokens. Floors: a decode step must read every
 weight it uses (all parameters but the embedding table) and each row's K/V once, at the measured
 copy bandwidth; a prefill must do 2 x params x tokens + causal attention FLOPs at the
@@ -47,7 +48,8 @@ def measure_peaks(device: torch.device) -> dict[str, float]:
 def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: str,
                   prefill_prompt: list[int] | None) -> list[dict]:
     """backend: "flexserve" (the defaults: CUDA graphs, LoRA slots reserved but empty),
-    "flexserve-eager" (no CUDA graphs) or "flexserve-no-lora" (no LoRA slots)."""
+    "flexserve-eager" (no CUDA graphs), "flexserve-no-lora" (no LoRA slots) or "flexserve-nccl"
+    (above one rank: every all-reduce through NCCL, no one-shot all-reduce)."""
     from flexserve import LLM, SamplingParams
 
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
@@ -66,6 +68,7 @@ def run_flexserve(args, prompts_by_batch: dict[int, list[list[int]]], backend: s
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        disable_custom_all_reduce=backend == "flexserve-nccl",
     )
     results = []
     if prefill_prompt is not None:
@@ -179,7 +182,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--backends", nargs="+", default=["flexserve", "flexserve-eager", "hf"],
-                        choices=["flexserve", "flexserve-eager", "flexserve-no-lora", "hf"])
+                        choices=["flexserve", "flexserve-eager", "flexserve-no-lora",
+                                 "flexserve-nccl", "hf"])
     parser.add_argument("--prefill-len", type=int, default=4096,
                         help="also time one prefill of this many tokens (0: skip)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)

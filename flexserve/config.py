@@ -253,6 +253,9 @@ class ParallelConfig:
     # mp: one worker process per rank on this host; ray: one Ray actor per rank on a Ray
     # cluster (several hosts); None: mp when there is more than one rank
     distributed_executor_backend: str | None = None
+    # CUDA, ranks on one host: small sums (a decode step's all-reduces) by the one-shot
+    # all-reduce over the GPUs' peer links instead of NCCL (distributed/one_shot_all_reduce.py)
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)

@@ -16,6 +16,6 @@ def test_allreduce_benchmark_smoke():
                           "--iters", "2", "--batch-sizes", "1", "4", "--hidden-size", "64"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [r["batch"] for r in records] == [1, 4]
+    assert [(r["method"], r["batch"]) for r in records] == [("gloo", 1), ("gloo", 4)]
     assert all(r["allreduces_per_step"] == 4 and r["ms_per_step"] > 0 for r in records)
     assert [r["bytes_each"] for r in records] == [128, 512]

@@ -12,13 +12,17 @@ are the single-process ones: collectives return their input and no process group
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import socket
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flexserve.distributed.one_shot_all_reduce import make_one_shot_all_reduce, one_shot_eligible
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +33,36 @@ class TensorParallelGroup:
     """A rank of a tensor-parallel group; world size 1 without torch.distributed. `group`: the
     torch.distributed group of its ranks (None: the whole world)."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None,
+                 one_shot: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank = rank
         self.world_size = world_size
         self.group = group
+        # The one-shot all-reduce of small sums (one_shot_all_reduce.py); None: NCCL/gloo only.
+        self.one_shot = one_shot
+        self._nccl_only = 0
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """The sum (op "sum"), maximum ("max") or minimum ("min") of every rank's `x`, in
-        place."""
+        """The sum (op "sum"), maximum ("max") or minimum ("min") of every rank's `x`: `x`
+        itself, reduced in place, or (a small sum on the one-shot all-reduce) a new tensor."""
         if self.world_size > 1:
+            if (op == "sum" and self.one_shot is not None and not self._nccl_only
+                    and one_shot_eligible(x)):
+                return self.one_shot(x)
             dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group)
         return x
+
+    @contextlib.contextmanager
+    def nccl_only(self) -> Iterator[None]:
+        """All-reduces launched inside go through NCCL: for work on a second CUDA stream, which
+        must not share the one-shot all-reduce's buffer with the first."""
+        self._nccl_only += 1
+        try:
+            yield
+        finally:
+            self._nccl_only -= 1
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` (equal shapes) concatenated along `dim`, in rank order."""
@@ -134,12 +155,13 @@ def get_pp_stage() -> PipelineStage:
 
 
 def init_model_parallel(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int,
-                        init_method: str, backend: str,
-                        timeout_s: float = 600.0) -> TensorParallelGroup:
+                        init_method: str, backend: str, timeout_s: float = 600.0,
+                        custom_all_reduce: bool = True) -> TensorParallelGroup:
     """Join the world of tensor_parallel_size x pipeline_parallel_size processes at
     `init_method` (`tcp://host:port`) as global `rank`, and make this process's tensor-parallel
     group (its stage's ranks) and pipeline stage. `backend`: gloo (CPU) or nccl (CUDA). One
-    process starts no process group."""
+    process starts no process group. `custom_all_reduce`: on NCCL, small sums take the one-shot
+    all-reduce where the group's GPUs reach each other (one_shot_all_reduce.py)."""
     global _group, _stage
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     world_size = tp * pp
@@ -156,15 +178,20 @@ def init_model_parallel(rank: int, tensor_parallel_size: int, pipeline_parallel_
                     group = created
         logger.info("rank %d of %d joined (%s): tensor-parallel rank %d of %d, pipeline "
                     "stage %d of %d", rank, world_size, backend, rank % tp, tp, rank // tp, pp)
-    _group = TensorParallelGroup(rank % tp, tp, group)
+    one_shot = None
+    if tp > 1 and backend == "nccl" and custom_all_reduce:
+        one_shot = make_one_shot_all_reduce(group)
+    _group = TensorParallelGroup(rank % tp, tp, group, one_shot)
     _stage = PipelineStage(rank // tp, pp, rank, tp)
     return _group
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, backend: str,
-                         timeout_s: float = 600.0) -> TensorParallelGroup:
+                         timeout_s: float = 600.0,
+                         custom_all_reduce: bool = True) -> TensorParallelGroup:
     """`init_model_parallel` with one pipeline stage."""
-    return init_model_parallel(rank, world_size, 1, init_method, backend, timeout_s)
+    return init_model_parallel(rank, world_size, 1, init_method, backend, timeout_s,
+                               custom_all_reduce)
 
 
 def destroy_tensor_parallel() -> None:

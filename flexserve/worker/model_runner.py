@@ -338,7 +338,9 @@ class ModelRunner:
             concurrent = plan.finetune_concurrent
             sample = self._forward(rows, [] if concurrent else windows, result, plan)
             fill = None
-            with torch.cuda.stream(side_stream):
+            # The side stream's all-reduces go through NCCL: the one-shot all-reduce's buffer
+            # serves one stream.
+            with torch.cuda.stream(side_stream), self.tp.nccl_only():
                 if concurrent:  # spatial sharing: fine-tuning is its own forward, eager: the
                     # graphs' static inputs belong to the inference forward on the other stream
                     self._forward([], windows, result, plan, use_graphs=False)()

@@ -169,7 +169,8 @@ def start_rank(rank: int, world_size: int, init_method: str, config: EngineConfi
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         backend = "gloo"
     init_model_parallel(rank, config.parallel.tensor_parallel_size,
-                        config.parallel.pipeline_parallel_size, init_method, backend)
+                        config.parallel.pipeline_parallel_size, init_method, backend,
+                        custom_all_reduce=not config.parallel.disable_custom_all_reduce)
     runner = ModelRunner(config, resolved)
     runner.initialize_kv_cache(max_model_len)
     # Structured outputs compile their grammars against the tokenizer on every rank, so every

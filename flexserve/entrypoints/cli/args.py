@@ -51,6 +51,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "host; ray, one Ray actor per rank on the Ray cluster (RAY_ADDRESS "
                             "or `ray start` on this host; several hosts) [mp when there is "
                             "more than one rank]")
+    group.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="CUDA: every all-reduce through NCCL, none through the one-shot "
+                            "all-reduce over the GPUs' peer links (used for small sums when all "
+                            "ranks are on one host)")
     group.add_argument("--state-dir", default=None,
                        help="converted models, profiles and jobs [$FLEXSERVE_HOME or "
                             "~/.cache/flexserve]")
@@ -263,7 +267,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-            distributed_executor_backend=args.distributed_executor_backend),
+            distributed_executor_backend=args.distributed_executor_backend,
+            disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False)),
         disable_log_stats=getattr(args, "disable_log_stats", False),
     )
 
