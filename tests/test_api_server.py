@@ -146,6 +146,34 @@ def test_streamed_chat_sends_role_then_content_then_done(server, client):
         full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens)
 
 
+def test_continuous_usage_stats_count_every_chunk(server, client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far, its
+    completion tokens rising to the final count (tokens whose text is held back arrive in a
+    later chunk, which then counts them all); without include_usage it is off."""
+    for path, extra in (("/v1/completions", {"prompt": "Write a haiku about the sea."}),
+                        ("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Count to five."}]})):
+        body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                **extra}
+        with httpx.stream("POST", server.url + path, json=body) as response:
+            chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                      if line and line != "data: [DONE]"]
+        final = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == [] and 0 < final["completion_tokens"] <= 16
+        counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+        assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] for c in chunks)
+        assert counts == sorted(counts) and counts[-1] == final["completion_tokens"]
+        assert counts[0] <= 1 and len(counts) > 2
+        assert all(c["usage"]["total_tokens"] == final["prompt_tokens"] + n
+                   for c, n in zip(chunks, counts))
+        body["stream_options"] = {"continuous_usage_stats": True}
+        with httpx.stream("POST", server.url + path, json=body) as response:
+            chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                      if line and line != "data: [DONE]"]
+        assert all(c.get("usage") is None for c in chunks)
+
+
 def test_n_seed_and_several_prompts_follow_offline_sampling(llm, client):
     prompts = ["Once upon a time", "The weather today is"]
     params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=1234, max_tokens=8)

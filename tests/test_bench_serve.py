@@ -242,6 +242,42 @@ def tiny_server(tiny_config, tiny_checkpoint):
     engine.shutdown()
 
 
+def test_a_chunk_of_several_tokens_counts_as_several_gaps(monkeypatch):
+    """Tokens whose text is held back reach the client together: with per-chunk usage their
+    chunk's gap is split over them; without it, one gap per chunk."""
+    import asyncio
+
+    import httpx
+
+    from flexserve.bench import serve
+
+    def sse(text: str, tokens: int | None) -> str:
+        chunk = {"choices": [{"index": 0, "text": text}]}
+        if tokens is not None:
+            chunk["usage"] = {"prompt_tokens": 3, "completion_tokens": tokens}
+        return "data: " + json.dumps(chunk) + "\n\n"
+
+    def run(counts: list[int | None]) -> RequestRecord:
+        body = "".join(sse("x", n) for n in counts) + "data: [DONE]\n\n"
+        transport = httpx.MockTransport(lambda request: httpx.Response(
+            200, text=body, headers={"content-type": "text/event-stream"}))
+        clock = iter(range(100))  # each reading of the clock is one second later
+        monkeypatch.setattr(serve.time, "perf_counter", lambda: float(next(clock)))
+
+        async def send() -> RequestRecord:
+            async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+                return await serve.send_request(client, "completions", {}, RequestRecord(
+                    0, None, 0.0, 0, 5), start=0.0)
+        return asyncio.run(send())
+
+    # chunks read a second apart: the first token, tokens 2-3, token 4, token 5
+    got = run([1, 3, 4, 5])
+    assert got.itl_s == [0.5, 0.5, 1.0, 1.0]
+    assert got.output_tokens == 5 and got.tpot_s == pytest.approx(
+        (got.e2e_s - got.ttft_s) / 4)
+    assert run([None, None, None]).itl_s == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_bench_serve_against_the_real_server(tiny_server, tmp_path, endpoint, capsys):
     url, tokenizer = tiny_server
@@ -266,7 +302,9 @@ def test_bench_serve_against_the_real_server(tiny_server, tmp_path, endpoint, ca
     for r in result["requests"]:
         assert r["output_tokens"] == 5 and r["error"] is None
         assert 0 < r["ttft_s"] <= r["e2e_s"]
-        assert len(r["itl_s"]) <= 4  # one gap per text chunk after the first
+        # one gap per token after the first, up to the last chunk with text
+        assert len(r["itl_s"]) <= 4
+        assert sum(r["itl_s"]) <= r["e2e_s"] - r["ttft_s"] + 1e-9
         assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / 4)
     assert [r["tenant"] for r in result["requests"]] == [f"tenant-{i % 3}" for i in range(8)]
     assert [r["scheduled_s"] for r in result["requests"]] == pytest.approx(

@@ -25,7 +25,9 @@ class RequestRecord:
     max_tokens: int  # output tokens asked for
     sent_s: float = 0.0  # actual send time, from the benchmark start
     ttft_s: float | None = None  # to the first chunk carrying text
-    itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
+    # gaps between generated tokens: a text chunk's gap split evenly over the tokens it brings
+    # (counted from per-chunk usage; one per chunk when the server reports none)
+    itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None  # to the end of the stream
     prompt_tokens: int = 0  # from the usage chunk
     output_tokens: int = 0  # from the usage chunk, else the number of text chunks

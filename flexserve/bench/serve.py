@@ -3,7 +3,9 @@
 vLLM's `benchmark_serving` semantics: requests are sent at arrival times drawn from a gamma process
 (`--burstiness` is the shape k: 1 is Poisson, k < 1 burstier, with mean inter-arrival 1/rate), each
 streamed over SSE, and the client measures per request TTFT (to the first chunk carrying text),
-TPOT = (e2e - ttft) / (output_tokens - 1), every inter-chunk gap (ITL) and E2E. Output tokens are
+TPOT = (e2e - ttft) / (output_tokens - 1), every inter-token gap (ITL: a chunk that brings several
+tokens, their text held back until a character is whole, counts its gap split over them, from the
+usage the server reports in every chunk) and E2E. Output tokens are
 counted from the stream's usage chunk. Goodput is the completed requests per second that meet
 every given SLO; the attainment of one SLO is the fraction of completed requests meeting it.
 
@@ -65,7 +67,11 @@ from flexserve.bench.workload import (
 def _request_body(endpoint: str, model: str, sampled: SampledRequest, tenant: str | None,
                   ignore_eos: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model, "stream": True, "stream_options": {"include_usage": True},
+        "model": model, "stream": True,
+        # Usage in every chunk (vLLM's extension): the tokens each chunk carries, so a chunk
+        # that brings several (text held back until a character is whole) counts as several
+        # inter-token gaps.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "temperature": 0.0, "ignore_eos": ignore_eos,
     }
     if endpoint == "chat":
@@ -96,6 +102,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict[str,
     sent = time.perf_counter()
     record.sent_s = sent - start
     num_text_chunks, last, usage, done = 0, sent, None, False
+    tokens_seen = 0  # completion tokens reported up to the last text chunk
     try:
         headers = None if api_key is None else {"Authorization": f"Bearer {api_key}"}
         async with client.stream("POST", path, json=body, headers=headers) as response:
@@ -118,10 +125,15 @@ async def send_request(client: httpx.AsyncClient, endpoint: str, body: dict[str,
                     return record
                 usage = chunk.get("usage") or usage
                 if _chunk_text(chunk, endpoint):
+                    # Tokens this chunk brings: from its usage when the server reports one
+                    # per chunk, else one.
+                    tokens = int((chunk.get("usage") or {}).get("completion_tokens", 0))
+                    new = tokens - tokens_seen if tokens > tokens_seen else 1
+                    tokens_seen = max(tokens, tokens_seen + 1)
                     if record.ttft_s is None:
                         record.ttft_s = now - sent
                     else:
-                        record.itl_s.append(now - last)
+                        record.itl_s += [(now - last) / new] * new
                     last = now
                     num_text_chunks += 1
     except (httpx.HTTPError, json.JSONDecodeError) as e:

@@ -61,6 +61,9 @@ class ErrorResponse(OpenAIModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk also carries the usage so far (a
+    # choice's chunk: its prompt's tokens and the choice's tokens generated until then)
+    continuous_usage_stats: bool = False
 
 
 class PromptTokensDetails(OpenAIModel):

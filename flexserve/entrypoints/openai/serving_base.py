@@ -214,6 +214,25 @@ def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
     )
 
 
+def choice_usage(output: RequestOutput, completion: Any | None) -> UsageInfo:
+    """The usage so far of one choice (`completion`, one of `output.outputs`; None: before any)
+    of a streamed request: its prompt's tokens and the tokens the choice generated until now
+    (`stream_options.continuous_usage_stats`)."""
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = 0 if completion is None else len(completion.token_ids)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=output.num_cached_tokens))
+
+
+def usage_every_chunk(request: Any) -> bool:
+    """Whether a streamed request asked for usage in every chunk (include_usage and vLLM's
+    continuous_usage_stats)."""
+    options = request.stream_options
+    return bool(options and options.include_usage and options.continuous_usage_stats)
+
+
 def json_response(payload: BaseModel, status_code: int = 200) -> Response:
     """pydantic's JSON (non-finite floats become null instead of failing the response)."""
     return Response(payload.model_dump_json(), status_code=status_code,

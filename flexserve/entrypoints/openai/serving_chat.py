@@ -36,6 +36,7 @@ from flexserve.entrypoints.openai.protocol import (
     NamedToolChoice,
     RequestToolCall,
     TopLogprob,
+    UsageInfo,
     now_s,
     random_id,
 )
@@ -43,12 +44,14 @@ from flexserve.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
     cancel_on_disconnect,
+    choice_usage,
     final_outputs,
     json_response,
     merge_async_iterators,
     sse,
     sse_error,
     tenant_of,
+    usage_every_chunk,
     usage_of,
 )
 from flexserve.entrypoints.openai.structured_outputs import (
@@ -138,7 +141,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             stream = self._stream(generator, params.n, num_top, request_id, created,
-                                  request.model, include_usage, tool_parser)
+                                  request.model, include_usage, tool_parser,
+                                  usage_every_chunk(request), len(prepared.prompt_token_ids))
             return StreamingResponse(stream, media_type="text/event-stream")
         (final,) = await cancel_on_disconnect(raw_request, final_outputs([generator]))
         choices = []
@@ -182,10 +186,13 @@ class OpenAIServingChat(OpenAIServing):
         model: str,
         include_usage: bool,
         tool_parser: ToolParser | None,
+        every_chunk: bool = False,
+        num_prompt_tokens: int = 0,
     ) -> AsyncIterator[str]:
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
+        def chunk(choice: ChatCompletionStreamChoice, usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[choice]))
+                id=request_id, created=created, model=model, choices=[choice],
+                usage=usage if every_chunk else None))
 
         num_chars_sent = [0] * n
         num_tokens_sent = [0] * n
@@ -196,7 +203,9 @@ class OpenAIServingChat(OpenAIServing):
         try:
             for i in range(n):
                 yield chunk(ChatCompletionStreamChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content="")))
+                    index=i, delta=DeltaMessage(role="assistant", content="")),
+                    UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=0,
+                              total_tokens=num_prompt_tokens))
             async for _, output in merge_async_iterators([generator]):
                 final = output
                 for completion in output.outputs:
@@ -231,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=finish_reason,
                         stop_reason=completion.stop_reason,
-                    ))
+                    ), choice_usage(output, completion))
             if include_usage and final is not None:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model, choices=[],

@@ -27,12 +27,14 @@ from flexserve.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServing,
     cancel_on_disconnect,
+    choice_usage,
     final_outputs,
     json_response,
     merge_async_iterators,
     sse,
     sse_error,
     tenant_of,
+    usage_every_chunk,
     usage_of,
 )
 from flexserve.entrypoints.openai.structured_outputs import request_structured_outputs
@@ -74,7 +76,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             stream = self._stream(generators, formatter, request_id, created, request.model,
-                                  include_usage)
+                                  include_usage, usage_every_chunk(request))
             return StreamingResponse(stream, media_type="text/event-stream")
         finals = await cancel_on_disconnect(raw_request, final_outputs(generators))
         choices = [
@@ -100,6 +102,7 @@ class OpenAIServingCompletion(OpenAIServing):
         created: int,
         model: str,
         include_usage: bool,
+        every_chunk: bool = False,
     ) -> AsyncIterator[str]:
         finals: list[RequestOutput | None] = [None] * len(generators)
         try:
@@ -109,7 +112,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice = formatter.delta(prompt_index, output, completion.index)
                     if choice is not None:
                         yield sse(CompletionStreamResponse(
-                            id=request_id, created=created, model=model, choices=[choice]))
+                            id=request_id, created=created, model=model, choices=[choice],
+                            usage=choice_usage(output, completion) if every_chunk else None))
             if include_usage:
                 usage = usage_of([o for o in finals if o is not None])
                 yield sse(CompletionStreamResponse(
