@@ -333,3 +333,38 @@ def test_a_later_job_in_the_same_slot_reuses_the_backward_pieces_and_trains_the_
     job = runner.finetune_runner.jobs[second.job_id]
     assert job.backward_graphs is pieces
     assert all(torch.equal(adapter[k], fresh[k]) for k in fresh)
+
+
+def test_a_variant_warms_up_once_where_plain_graphs_exist(tiny_config, tiny_checkpoint, tmp_path):
+    """Warm-up forwards run where a capture's shapes are new: every bucket of the plain
+    variant (start-up), then only the first bucket of a job's variant (its LoRA and capture
+    kernels), whose other buckets share their shapes with plain graphs."""
+    import types
+
+    model_dir, *_ = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    graphs = _llm(model_dir, graphs=True).engine.executor.mixed_graphs
+    plain = set(graphs.graphs)
+    captured: list[tuple[tuple, int]] = []
+
+    def capture(key, step, log=True, warmups=2):
+        captured.append((key, warmups))
+        graphs.graphs[key] = (None, None, None)
+
+    graphs._capture = capture
+    graphs.device = types.SimpleNamespace(type="cuda")  # precapture's CUDA branch
+    graphs.graphs = {}
+    graphs._warm_variants = set()
+    assert graphs.precapture() == len(plain)
+    assert all(warmups == 2 for _, warmups in captured)  # no plain graph existed yet
+    captured.clear()
+    lora_key = (True,) * 4
+    assert graphs.precapture(lora_key, frozenset({0})) == len(plain)
+    assert [w for _, w in captured] == [2] + [0] * (len(plain) - 1)
+    captured.clear()
+    # A bucket with no plain graph warms up even in a warm variant.
+    del graphs.graphs[sorted(plain)[-1]]
+    graphs.graphs = {k: v for k, v in graphs.graphs.items() if k[2] is None}
+    graphs.precapture(lora_key, frozenset({0}))
+    missing = sorted(plain)[-1][:2]
+    assert [w for key, w in captured if key[:2] == missing] == [2]
+    assert all(w == 0 for key, w in captured if key[:2] != missing)

@@ -138,6 +138,7 @@ class MixedGraphRunner:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None,
                                        GraphCapture | None]] = {}
         self.eager_keys: set[tuple] = set()  # keys whose capture failed: they run eagerly
+        self._warm_variants: set[tuple] = set()  # (lora key, kept key) warmed up in a capture
         self.pool = None
         self.capture_seconds = 0.0
         self.num_replays_by_kind = {"plain": 0, "capture": 0}  # steps run, with windows or not
@@ -277,18 +278,19 @@ class MixedGraphRunner:
         return GraphCapture(self.arena_of(), step.capture[0], self.capture_src[:tokens],
                             self.capture_dest[:tokens], self.capture_count)
 
-    def _capture(self, key: tuple, step: MixedStep, log: bool = True) -> None:
+    def _capture(self, key: tuple, step: MixedStep, log: bool = True, warmups: int = 2) -> None:
         tokens, rows = key[0], key[1]
         start = time.perf_counter()
         capture = self._new_capture(tokens, step)
         # The step's own inputs are in the buffers: warm-up forwards compute on real data and
         # write the same K/V and activations the replay will write again.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels and warm cuBLAS outside the capture
-                self._forward(tokens, rows, step, capture)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if warmups:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(warmups):  # compile the Triton kernels and warm cuBLAS outside
+                    self._forward(tokens, rows, step, capture)  # the capture
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         out = safe_capture.capture(
             graph, self.pool, lambda: self._forward(tokens, rows, step, capture), self.device)
@@ -313,16 +315,25 @@ class MixedGraphRunner:
         self._write_padding()
         step = MixedStep(self.input_ids[:0], None, np.zeros(0, np.int64), [], lora_key,
                          lora_slots, None if kept is None else (kept, None, None, []))
+        variant = (lora_key, None if kept is None else _kept_key(kept))
         for tokens in self.token_sizes:
             for fewer, rows in zip([0] + self.row_sizes, self.row_sizes):
                 if fewer >= tokens:
                     continue  # no step has more rows than tokens
-                key = (tokens, rows, lora_key, None if kept is None else _kept_key(kept))
+                key = (tokens, rows, *variant)
                 if key in self.graphs or key in self.eager_keys or len(self.graphs) >= MAX_GRAPHS:
                     continue
                 if self.device.type == "cuda":
+                    # Warm-up forwards compile kernels and warm cuBLAS for new shapes: a bucket
+                    # whose plain graph exists has its shapes warm, and once one bucket of this
+                    # variant ran its LoRA and capture kernels are compiled, so its other
+                    # buckets are captured without (a job's start then costs the captures, not
+                    # three forwards of every bucket).
+                    warm = variant not in self._warm_variants or \
+                        (tokens, rows, None, None) not in self.graphs
                     try:
-                        self._capture(key, step, log=False)
+                        self._capture(key, step, log=False, warmups=2 if warm else 0)
+                        self._warm_variants.add(variant)
                     except safe_capture.CaptureFailed as e:
                         logger.warning("mixed iterations of %d tokens and %d rows run eagerly: "
                                        "%s", tokens, rows, e)
