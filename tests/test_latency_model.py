@@ -104,6 +104,32 @@ def test_plan_shape_counts_every_kind_of_work():
         backward_attention=4 * 12 + 10 + 12 * 13 // 2, backward_windows=2, finetune_windows=1)
 
 
+def test_plan_shape_is_the_sum_of_its_parts_shapes():
+    """Counted in place, a plan's shape equals the sum of its rows' and windows' shapes."""
+    import random
+
+    rng = random.Random(3)
+    params = SamplingParams()
+    for _ in range(50):
+        rows = [(rng.randrange(0, 500), rng.choice([1, 1, 1, rng.randrange(2, 64)]))
+                for _ in range(rng.randrange(0, 40))]
+        forward = [(s, s + rng.randrange(0, 40)) for s in rng.sample(range(0, 400), 3)]
+        backward = [(s, s + rng.randrange(0, 40)) for s in rng.sample(range(0, 400), 3)]
+        plan = BatchPlan(
+            sequences=[ScheduledSequence(str(i), [1] * n, c, [0], True, params, [1], [], None,
+                                         None) for i, (c, n) in enumerate(rows)],
+            finetune_windows=[FinetuneWindow("j", 0, a, b, 0) for a, b in forward],
+            backward_windows=[BackwardWindow("j", 1, 3, a, b) for a, b in backward])
+        want = IterationShape()
+        for c, n in rows:
+            want += inference_row_shape(c, n)
+        for a, b in forward:
+            want += forward_window_shape(a, b - a)
+        for a, b in backward:
+            want += backward_window_shape(a, b)
+        assert plan_shape(plan) == want
+
+
 # ------------------------------------------------------------------------------ max_window
 class Counted:
     def __init__(self, fn):

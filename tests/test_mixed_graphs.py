@@ -368,3 +368,39 @@ def test_a_variant_warms_up_once_where_plain_graphs_exist(tiny_config, tiny_chec
     missing = sorted(plain)[-1][:2]
     assert [w for key, w in captured if key[:2] == missing] == [2]
     assert all(w == 0 for key, w in captured if key[:2] != missing)
+
+
+def test_jobs_of_different_ranks_run_together(tiny_config, tiny_checkpoint, tmp_path):
+    """A job whose LoRA rank differs from the running job's (its `*_s` tensors have another
+    width) cannot share the activation arena: it starts with private stores, its windows run
+    without graphs, and both jobs train what each trains alone."""
+    from safetensors.torch import load_file
+
+    model_dir, adapter_dir, _, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    rank4 = Hyperparameters.from_dict({
+        "batch_size": 2, "n_epochs": 1, "shuffle": False, "learning_rate": 1e-3,
+        "lr_scheduler": "constant", "max_grad_norm": None,
+        "lora": {"r": 4, "alpha": 8, "target_modules": TARGETS}})
+
+    def adapters(graphs: bool, specs) -> list[dict]:
+        engine = _llm(model_dir, graphs=graphs).engine
+        jobs = [engine.add_finetune_job(data, h) for h in specs]
+        while not all(job.finished for job in jobs):
+            engine.step()
+        out = []
+        for i, job in enumerate(jobs):
+            assert job.status.value == "succeeded", job.error
+            path = str(tmp_path / f"{graphs}-{len(specs)}-{i}")
+            engine.save_finetune_adapter(job.job_id, path)
+            out.append(load_file(f"{path}/adapter_model.safetensors"))
+        if graphs:
+            runner = engine.executor.finetune_runner
+            assert runner.arena.holds(0, "down_proj_s", 8, torch.float32)
+        return out
+
+    together = adapters(True, [hp, rank4])
+    alone = adapters(False, [hp])[0], adapters(False, [rank4])[0]
+    for got, want in zip(together, alone):
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6)

@@ -68,12 +68,32 @@ def backward_window_shape(start: int, end: int) -> IterationShape:
 
 
 def plan_shape(plan: BatchPlan) -> IterationShape:
-    """The counts of everything a plan runs (optimizer steps are not modelled)."""
-    shape = IterationShape()
+    """The counts of everything a plan runs (optimizer steps are not modelled): the sum of its
+    rows' and windows' shapes, counted in place (a step of hundreds of rows builds no shape per
+    row)."""
+    prefill_tokens = prefill_attention = decode_rows = decode_context = 0
     for row in plan.sequences:
-        shape += inference_row_shape(row.num_computed_tokens, row.num_scheduled_tokens)
+        n = row.num_scheduled_tokens
+        if n == 1:
+            decode_rows += 1
+            decode_context += row.num_computed_tokens + 1
+        elif n > 1:
+            prefill_tokens += n
+            prefill_attention += _pairs(row.num_computed_tokens, n)
+    finetune_tokens = finetune_attention = finetune_windows = 0
     for window in plan.finetune_windows:
-        shape += forward_window_shape(window.start, window.end - window.start)
+        n = window.end - window.start
+        if n > 0:
+            finetune_tokens += n
+            finetune_attention += _pairs(window.start, n)
+            finetune_windows += 1
+    backward_tokens = backward_attention = backward_windows = 0
     for window in plan.backward_windows:
-        shape += backward_window_shape(window.start, window.end)
-    return shape
+        n = window.end - window.start
+        if n > 0:
+            backward_tokens += n
+            backward_attention += _pairs(window.start, n)
+            backward_windows += 1
+    return IterationShape(prefill_tokens, prefill_attention, decode_rows, decode_context,
+                          finetune_tokens, finetune_attention, backward_tokens,
+                          backward_attention, backward_windows, finetune_windows)

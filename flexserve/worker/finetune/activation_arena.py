@@ -97,6 +97,18 @@ class ActivationArena:
     def has(self, layer: int, name: str) -> bool:
         return (layer, name) in self._tensors
 
+    def holds(self, layer: int, name: str, width: int, dtype: torch.dtype) -> bool:
+        """Whether the arena has the tensor of (layer, name) with this row width and dtype."""
+        t = self._tensors.get((layer, name))
+        return t is not None and t.shape[1] == width and t.dtype == dtype
+
+    def conflicts(self, layout: list[tuple[int, str, int, torch.dtype]]) -> bool:
+        """Whether the arena holds a tensor of this layout with another width or dtype (a plan
+        of another LoRA rank keeps its `*_s` tensors narrower or wider): such a plan cannot use
+        the arena while the other one does."""
+        return any(self.has(layer, name) and not self.holds(layer, name, width, dtype)
+                   for layer, name, width, dtype in layout)
+
     def reserve(self, layout: list[tuple[int, str, int, torch.dtype]]) -> bool:
         """Allocate the tensors of a plan's (layer, name, width, dtype) layout that are missing;
         False, with nothing allocated by this call kept, when the device memory is short."""

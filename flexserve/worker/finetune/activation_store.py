@@ -182,7 +182,9 @@ class ActivationStore:
                 self._elements[key] = elem
         self._num_written: dict[tuple[int, str], int] = dict.fromkeys(self._row_bytes, 0)
         self.arena, self.arena_base = None, None
-        if arena is not None and not offload and all(arena.has(*key) for key in self._widths):
+        if arena is not None and not offload and all(
+                arena.holds(*key, width, self._elements[key])
+                for key, width in self._widths.items()):
             self.arena_base = arena.allocate(max_len)
             if self.arena_base is not None:
                 self.arena = arena

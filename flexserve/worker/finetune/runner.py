@@ -311,8 +311,13 @@ class FinetuneRunner:
                 self._backward_cache.clear()
                 if self.on_arena_cleared is not None:
                     self.on_arena_cleared()
-            self.arena.reserve(layout)
-            if self.job_graph_kept(spec.job_id) is not None:
+            if self.arena.conflicts(layout):
+                # Another running job's plan holds the arena with other widths (another LoRA
+                # rank): this job's stores stay private and its windows run without graphs.
+                logger.info("fine-tuning job %s: the activation arena holds another plan's "
+                            "tensors (another LoRA rank); its windows run without CUDA graphs",
+                            spec.job_id)
+            elif self.arena.reserve(layout) and self.job_graph_kept(spec.job_id) is not None:
                 # An ended job's graphs of the same slot and plan serve this one, with the
                 # gradient buffers they write (capturing them took 2.3-2.7 s of an 8B model's
                 # job start on an H200).
@@ -497,7 +502,8 @@ class FinetuneRunner:
             return None
         layout = store_layout(job.graph, job.layer_plans.plans, self.dtype)
         if any(dtype == torch.uint8 or name.endswith(UNSUPPORTED_SUFFIXES)
-               or not self.arena.has(layer, name) for layer, name, _, dtype in layout):
+               or not self.arena.holds(layer, name, width, dtype)
+               for layer, name, width, dtype in layout):
             return None
         return {(layer, name): KeptTensor(width, dtype) for layer, name, width, dtype in layout}
 
