@@ -506,3 +506,25 @@ def test_a_jobs_sequences_go_down_the_layers_in_lockstep():
     assert windows == [[(0, 2, 0, 10), (1, 2, 0, 6), (0, 1, 0, 10), (1, 1, 0, 6)],
                        [(0, 0, 0, 10), (1, 0, 0, 6)]]
     assert plans[1].optimizer_steps == ["a"]
+
+
+def test_forward_windows_of_one_plan_share_an_iteration_only_with_their_window_group():
+    """Jobs of another window group (another LoRA rank or targets: the worker's graph of an
+    iteration writes one plan's activations) never put forward windows in the same plan; the
+    jobs of one group do, and every job finishes."""
+    ft = finetune_only()
+    groups = {"a": (8, ("down_proj",)), "b": (16, ("down_proj",)), "c": (8, ("down_proj",))}
+    for job_id, group in groups.items():
+        state = job(job_id, [9, 7, 12], [[0, 1], [2]], pack_capacity=40)
+        state.window_group = group
+        ft.add_job(state)
+    shared = 0
+    for _ in range(300):
+        if not ft.has_work():
+            break
+        plan = step(ft, 30)
+        jobs = {w.job_id for w in plan.finetune_windows}
+        assert len({groups[j] for j in jobs}) <= 1, plan.finetune_windows
+        shared += jobs == {"a", "c"}
+    assert not ft.has_work() and shared > 0
+    assert all(ft.jobs[j].status == FinetuneJobStatus.SUCCEEDED for j in groups)

@@ -51,7 +51,7 @@ otherwise let it "succeed" with an adapter that learned nothing.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -202,6 +202,10 @@ class FinetuneJobState:
     tenant: str = "default"  # the fair-share account its window tokens are charged to
     pack_capacity: int | None = None  # max tokens of a bin of concurrent sequences; None: its
     # sequences one per bin (beside other jobs' sequences)
+    # Jobs whose forward windows may share an iteration have equal groups: the worker's CUDA
+    # graph of an iteration writes one plan's activations (the engine groups jobs by LoRA rank,
+    # targets and dropout, what the plan follows); None: no constraint.
+    window_group: Hashable | None = None
     status: FinetuneJobStatus = FinetuneJobStatus.RUNNING
     error: str | None = None
     step_index: int = 0  # optimizer steps done
@@ -284,6 +288,7 @@ class FinetuneScheduler:
         self.round: list[list[tuple[str, int, int]]] = []
         self.next_bin = 0
         self.num_rounds = 0  # rounds formed so far (metrics, tests)
+        self._plan_group: Hashable | None = None  # `schedule`'s plan's window group
         self.packing_methods: dict[str, int] = {"greedy": 0, "milp": 0}  # rounds by packer
         if packing_time_limit_s > 0:
             load_solver()
@@ -334,6 +339,10 @@ class FinetuneScheduler:
         no job has work left (and no further bin may start)."""
         picker = picker or self.default_picker
         forwarded: set[tuple[str, int]] = set()  # sequences with a forward window in this plan
+        # the window group of the plan's forward windows (the first grouped job's sets it)
+        self._plan_group = next((self.jobs[w.job_id].window_group for w in plan.finetune_windows
+                                 if w.job_id in self.jobs
+                                 and self.jobs[w.job_id].window_group is not None), None)
         progress = True
         while progress:
             progress = self._start_next_bin(plan)
@@ -359,9 +368,14 @@ class FinetuneScheduler:
         """Place the job's next window (forward windows of its bin first, then backward ones);
         returns its tokens (0 when nothing could be placed: no KV blocks for its next bin, or
         the sizer said 0 to every window) and whether it is a backward window."""
+        group = job.window_group
+        if group is not None and job.in_reference_pass:
+            group = ("reference",)  # a DPO reference pass keeps nothing: windows run eagerly
+        other_group = (group is not None and self._plan_group is not None
+                       and group != self._plan_group)
         for seq in job.running:
             key = (job.job_id, seq.sequence_id)
-            if (seq.done or seq.backward_layer >= 0 or key in forwarded
+            if (other_group or seq.done or seq.backward_layer >= 0 or key in forwarded
                     or seq.num_forward_tokens == seq.length):
                 continue
             n = sizer.forward(seq.num_forward_tokens, seq.length - seq.num_forward_tokens)
@@ -372,6 +386,8 @@ class FinetuneScheduler:
                 seq.num_forward_tokens + n,
                 job.reference_slot if seq.reference else job.lora_slot))
             forwarded.add(key)
+            if group is not None:
+                self._plan_group = group
             seq.num_forward_tokens += n
             seq.kv.num_computed_tokens += n
             if seq.reference:
