@@ -227,6 +227,9 @@ def _run_collectives(rank: int, world_size: int, init_method: str, results) -> N
     group = init_tensor_parallel(rank, world_size, init_method, "gloo")
     try:
         summed = group.all_reduce(torch.full((3,), float(rank + 1)))
+        # A column slice (a merged projection's first output) is not contiguous.
+        wide = torch.full((2, 5), float(rank + 1))
+        assert group.all_reduce(wide[:, :3]).tolist() == [[3.0] * 3] * 2
         gathered = group.all_gather(torch.full((2, 1), float(rank)), dim=-1)
         results.put((rank, summed.tolist(), gathered.tolist(), world_min(10 - rank)))
     finally:

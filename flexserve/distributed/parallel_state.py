@@ -46,8 +46,10 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The sum (op "sum"), maximum ("max") or minimum ("min") of every rank's `x`: `x`
-        itself, reduced in place, or (a small sum on the one-shot all-reduce) a new tensor."""
+        itself, reduced in place, or a new tensor (a small sum on the one-shot all-reduce, or
+        a non-contiguous `x`: a merged projection's column slice)."""
         if self.world_size > 1:
+            x = x.contiguous()  # NCCL, gloo and the one-shot kernel take dense tensors
             if (op == "sum" and self.one_shot is not None and not self._nccl_only
                     and one_shot_eligible(x)):
                 return self.one_shot(x)
