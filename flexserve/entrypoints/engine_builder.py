@@ -6,6 +6,7 @@ the callers that own both sides (the offline `LLM`, the CLI and the server) buil
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from flexserve.config import EngineConfig
@@ -17,7 +18,18 @@ from flexserve.worker.builder import build_executor
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Resolve and load the model, size the KV cache, build the engine over its model runner."""
     executor, tokenizer, info = build_executor(config)
-    return LLMEngine(config, executor, tokenizer, info)
+    engine = LLMEngine(config, executor, tokenizer, info)
+    freeze_startup_objects()
+    return engine
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (the model's modules, the tokenizer, imported libraries:
+    hundreds of thousands) out of the cyclic garbage collector's reach, as vLLM does after its
+    start-up: a full collection otherwise walks them all, 0.3 s on the development CPU, and
+    stalls every request decoding at that moment. Objects made later are collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def build_async_engine(config: EngineConfig, **kwargs: Any) -> AsyncLLMEngine:

@@ -4,6 +4,7 @@ order, until told to stop (`MultiprocExecutor` drives it)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -178,5 +179,10 @@ def start_rank(rank: int, world_size: int, init_method: str, config: EngineConfi
     runner.set_tokenizer(load_tokenizer(resolved, config.model.tokenizer), eos_token_id)
     logger.info("rank %d of %d ready: %d KV blocks", rank, world_size,
                 runner.num_blocks)
+    # The start-up's objects leave the cyclic collector's reach: a full collection walking them
+    # would stall this rank, and every rank waits for it in the next collective
+    # (`engine_builder.freeze_startup_objects` does the same in the engine process).
+    gc.collect()
+    gc.freeze()
     return runner
 
