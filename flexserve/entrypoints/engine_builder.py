@@ -18,16 +18,16 @@ from flexserve.worker.builder import build_executor
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Resolve and load the model, size the KV cache, build the engine over its model runner."""
     executor, tokenizer, info = build_executor(config)
-    engine = LLMEngine(config, executor, tokenizer, info)
-    freeze_startup_objects()
-    return engine
+    return LLMEngine(config, executor, tokenizer, info)
 
 
 def freeze_startup_objects() -> None:
     """Move every object alive now (the model's modules, the tokenizer, imported libraries:
     hundreds of thousands) out of the cyclic garbage collector's reach, as vLLM does after its
     start-up: a full collection otherwise walks them all, 0.3 s on the development CPU, and
-    stalls every request decoding at that moment. Objects made later are collected as usual."""
+    stalls every request decoding at that moment. Objects made later are collected as usual;
+    frozen ones never are, so only a process that keeps its engine to the end calls this (the
+    server; not `LLM`, whose engines a program may build and drop one after another)."""
     gc.collect()
     gc.freeze()
 

@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
     """Load the model, log what was built, run uvicorn until interrupted."""
     import uvicorn
 
-    from flexserve.entrypoints.engine_builder import build_async_engine
+    from flexserve.entrypoints.engine_builder import build_async_engine, freeze_startup_objects
     from flexserve.entrypoints.openai.api_server import build_app
     from flexserve.entrypoints.openai.auth import APIKeyTable
     from flexserve.entrypoints.openai.limits import AdmissionLimits
@@ -198,6 +198,7 @@ def serve(args: argparse.Namespace) -> int:
                 args.shutdown_grace_s, ", ".join(args.allowed_origins or ()) or "off")
     logger.info("serving on %s (OpenAI base_url %s/v1; docs %s/openapi.json; metrics %s/metrics)",
                 url, url, url, url)
+    freeze_startup_objects()  # the engine lives as long as this process
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level,
                                            timeout_graceful_shutdown=5),
