@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -17,12 +18,15 @@ import torch
 
 from flexserve.config import EngineConfig
 from flexserve.distributed.parallel_state import destroy_tensor_parallel, init_model_parallel
+from flexserve.engine.plan import BatchPlan, StepResult
 from flexserve.model.loader import load_tokenizer
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.model_runner import ModelRunner, resolve_device
 from flexserve.worker.plan_wire import PromptCache
 
 logger = logging.getLogger(__name__)
+
+POLL_S = 0.0001  # how often a rank waiting on its device looks for the engine's next plan
 
 
 @dataclass(slots=True)
@@ -123,21 +127,73 @@ def run_worker(rank: int, world_size: int, init_method: str, config: EngineConfi
         destroy_tensor_parallel()
         return
     try:
-        while True:
-            try:
-                plan = prompts.decode(conn.recv_bytes())
-            except EOFError:  # the engine process is gone
-                break
-            if plan is None:
-                break
-            try:
-                reply = run_message(runner, plan, rank == config.parallel.driver_rank)
-            except Exception:
-                conn.send(WorkerError(rank, traceback.format_exc()))
-                continue
-            conn.send(reply)
+        serve_messages(runner, conn, prompts, rank, rank == config.parallel.driver_rank)
     finally:
         destroy_tensor_parallel()
+
+
+def serve_messages(runner: ModelRunner, conn: Connection, prompts: PromptCache, rank: int,
+                   driver: bool) -> None:
+    """Run every message the engine sends, in order, one reply each, until None or the pipe
+    closes. On CUDA a plan's reply waits for the device, and meanwhile the engine may already
+    have sent the next plan (asynchronous scheduling sends a continuation before it waits): that
+    plan is launched first and the earlier reply sent after, so this rank prepares step N+1
+    while its device runs step N, as one process does."""
+    overlap = runner.device.type == "cuda"
+    pending: Callable[[], StepResult] | None = None  # a launched plan whose reply is owed
+    done = torch.cuda.Event() if overlap else None  # recorded after `pending`'s launch
+
+    def reply_of(wait: Callable[[], Any]) -> Any:
+        try:
+            result = wait()
+        except Exception:
+            return WorkerError(rank, traceback.format_exc())
+        return result if driver or isinstance(result, RankCallError) else None
+
+    while True:
+        if pending is not None and not _next_message_first(conn, done):
+            conn.send(reply_of(pending))
+            pending = None
+        try:
+            message = prompts.decode(conn.recv_bytes())
+        except EOFError:  # the engine process is gone
+            message = None
+        if message is None:
+            if pending is not None:
+                conn.send(reply_of(pending))
+            return
+        if pending is not None and not (overlap and isinstance(message, BatchPlan)
+                                        and message.continues_previous):
+            conn.send(reply_of(pending))  # anything but a continuation follows its result
+            pending = None
+        if isinstance(message, RankCall):
+            conn.send(reply_of(lambda message=message: call_runner(runner, message)))
+            continue
+        try:
+            wait = runner.execute_async(message)
+        except Exception:
+            if pending is not None:
+                conn.send(reply_of(pending))
+                pending = None
+            conn.send(WorkerError(rank, traceback.format_exc()))
+            continue
+        if pending is not None:
+            conn.send(reply_of(pending))  # step N's, after step N+1 is launched
+        if overlap:
+            pending = wait
+            done.record()
+        else:
+            conn.send(reply_of(wait))
+
+
+def _next_message_first(conn: Connection, done: torch.cuda.Event | None) -> bool:
+    """Whether the engine's next message arrives before the device finishes the launched plan
+    (`done`): then the rank launches it first."""
+    while True:
+        if conn.poll(POLL_S):
+            return True
+        if done is None or done.query():
+            return False
 
 
 def worker_ready(runner: ModelRunner) -> WorkerReady:
