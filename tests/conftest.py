@@ -103,3 +103,27 @@ def fresh_loader():
     yield
     cuda_ext._load.cache_clear()
     cuda_ext._log_once.cache_clear()
+
+
+def run_rank_processes(target, world_size: int, timeout: float, *args) -> list:
+    """Run `target(rank, init_method, results, *args)` in `world_size` spawned processes (a
+    fresh rendezvous port each time) and return what they put on `results`, sorted (each
+    result starts with its rank)."""
+    import multiprocessing
+
+    from flexserve.distributed.parallel_state import free_port
+
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=target, args=(r, init_method, results, *args))
+                 for r in range(world_size)]
+    for p in processes:
+        p.start()
+    try:
+        return sorted(results.get(timeout=timeout) for _ in processes)
+    finally:
+        for p in processes:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()

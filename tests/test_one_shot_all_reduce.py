@@ -115,22 +115,9 @@ def _compare_on_gpu(rank: int, init_method: str, results) -> None:
 
 @two_gpus
 def test_one_shot_sums_equal_nccl_on_two_gpus():
-    import multiprocessing
+    from conftest import run_rank_processes
 
-    init_method = f"tcp://127.0.0.1:{parallel_state.free_port()}"
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_compare_on_gpu, args=(r, init_method, results))
-                 for r in range(2)]
-    for p in processes:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=300) for _ in processes)
-    finally:
-        for p in processes:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
+    got = run_rank_processes(_compare_on_gpu, 2, 300)
     assert [rank for rank, _ in got] == [0, 1] and len(got[0][1]) == 6
 
 

@@ -22,7 +22,6 @@ from flexserve.config import EngineConfig, LoRAConfig, ParallelConfig
 from flexserve.distributed.parallel_state import (
     TensorParallelGroup,
     destroy_tensor_parallel,
-    free_port,
     init_tensor_parallel,
     world_min,
 )
@@ -223,8 +222,8 @@ def test_cli_options():
 
 
 # ------------------------------------------------------------------------ worker processes
-def _run_collectives(rank: int, world_size: int, init_method: str, results) -> None:
-    group = init_tensor_parallel(rank, world_size, init_method, "gloo")
+def _run_collectives(rank: int, init_method: str, results) -> None:
+    group = init_tensor_parallel(rank, 2, init_method, "gloo")
     try:
         summed = group.all_reduce(torch.full((3,), float(rank + 1)))
         # A column slice (a merged projection's first output) is not contiguous.
@@ -237,22 +236,9 @@ def _run_collectives(rank: int, world_size: int, init_method: str, results) -> N
 
 
 def test_collectives_over_gloo():
-    import multiprocessing
+    from conftest import run_rank_processes
 
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_run_collectives, args=(r, 2, init_method, results))
-                 for r in range(2)]
-    for p in processes:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=60) for _ in processes)
-    finally:
-        for p in processes:
-            p.join(10)
-            if p.is_alive():
-                p.terminate()
+    got = run_rank_processes(_run_collectives, 2, 60)
     assert [rank for rank, *_ in got] == [0, 1]
     for _, summed, gathered, smallest in got:
         assert summed == [3.0, 3.0, 3.0]
