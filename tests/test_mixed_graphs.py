@@ -335,6 +335,46 @@ def test_a_later_job_in_the_same_slot_reuses_the_backward_pieces_and_trains_the_
     assert all(torch.equal(adapter[k], fresh[k]) for k in fresh)
 
 
+def test_jobs_of_one_plan_share_the_backward_pieces_in_any_slot(tiny_config, tiny_checkpoint,
+                                                                tmp_path):
+    """Two jobs of one plan running together hold two slots and one set of backward pieces
+    (captured graphs on CUDA), which run on the staging slot with each window's job's weights
+    copied in and its gradients added back: each trains what it trains alone."""
+    from safetensors.torch import load_file
+
+    model_dir, adapter_dir, _, data, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+
+    def adapters(engine, count):
+        jobs = [engine.add_finetune_job(data, hp, init_adapter_path=adapter_dir)
+                for _ in range(count)]
+        while not all(job.finished for job in jobs):
+            engine.step()
+        out = []
+        for job in jobs:
+            assert job.status.value == "succeeded", job.error
+            path = str(tmp_path / job.job_id / str(count))
+            engine.save_finetune_adapter(job.job_id, path)
+            out.append(load_file(f"{path}/adapter_model.safetensors"))
+        return jobs, out
+
+    _, (alone,) = adapters(_llm(model_dir, graphs=True).engine, 1)
+    engine = _llm(model_dir, graphs=True).engine
+    staging = engine.executor.lora_manager.staging_slot
+    (a, b), together = adapters(engine, 2)
+    runner = engine.executor.finetune_runner
+    assert len({a.lora_slot, b.lora_slot, staging}) == 3
+    assert runner.jobs[a.job_id].backward_graphs is runner.jobs[b.job_id].backward_graphs
+    assert runner.num_backward_windows["graphs"] > 0
+    initial = load_file(f"{adapter_dir}/adapter_model.safetensors")
+    change = torch.cat([(alone[k] - initial[k]).flatten() for k in sorted(alone)])
+    for adapter in together:
+        # The two jobs' rows share the frozen GEMMs of their steps: float rounding apart (which
+        # AdamW amplifies where a gradient is tiny), the same update, within the exactness
+        # tests' bound relative to the weight change.
+        diff = torch.cat([(adapter[k] - alone[k]).flatten() for k in sorted(alone)])
+        assert float(diff.norm() / change.norm()) <= 1e-4
+
+
 def test_a_variant_warms_up_once_where_plain_graphs_exist(tiny_config, tiny_checkpoint, tmp_path):
     """Warm-up forwards run where a capture's shapes are new: every bucket of the plain
     variant (start-up), then only the first bucket of a job's variant (its LoRA and capture

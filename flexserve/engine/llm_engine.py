@@ -326,9 +326,10 @@ class LLMEngine:
             rank, targets = adapter_shape(start, rank, targets)
         slot = self._finetune_capacity().reserve(job_id, rank, targets)
         job.lora_slot = slot
-        # Jobs of one (rank, targets, dropout) keep the same activations: their forward windows
-        # share iterations under one CUDA graph; other jobs' wait for other iterations.
-        job.window_group = (rank, tuple(sorted(targets)), hp.lora.dropout > 0)
+        if self.info.device.startswith("cuda") and not self.config.model.enforce_eager:
+            # A mixed iteration's CUDA graph writes one plan's activations: jobs of one (rank,
+            # targets, dropout) share iterations' forward windows, other jobs' take others.
+            job.window_group = (rank, tuple(sorted(targets)), hp.lora.dropout > 0)
         # DPO's reference is the job's start: its own slot before the first optimizer step, or
         # the backbone alone when the adapter starts from PEFT's init (B = 0 adds exactly 0)
         job.reference_slot = -1 if init_adapter_path is None and resume_from is None else slot

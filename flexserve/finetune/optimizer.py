@@ -85,22 +85,6 @@ class AdapterOptimizer:
         """name -> fp32 gradient buffer (add into it in place; `step()` zeroes it)."""
         return {name: master.grad for name, master in self.masters.items()}
 
-    def use_grad_buffers(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Accumulate into these fp32 buffers (zeroed now) instead of the optimizer's own: one
-        per tensor, shaped and placed like it (buffers that captured CUDA graphs write)."""
-        if sorted(grads) != list(self.masters):
-            raise ValueError(f"gradient buffers {sorted(grads)[:3]} do not match the adapter's "
-                             f"{list(self.masters)[:3]}")
-        for name, master in self.masters.items():
-            grad = grads[name]
-            if (grad.shape != master.shape or grad.dtype != torch.float32
-                    or grad.device != master.device):
-                raise ValueError(f"{name}: the gradient buffer is {grad.dtype} "
-                                 f"{tuple(grad.shape)} on {grad.device}, the tensor "
-                                 f"{tuple(master.shape)} on {master.device}")
-        for name, master in self.masters.items():
-            master.grad = grads[name].zero_()
-
     def lr_at(self, step: int) -> float:
         """The learning rate of update `step` (0-based), as transformers' schedulers give it."""
         return lr_at(step, self.learning_rate, self.lr_scheduler, self.warmup_steps,

@@ -2,7 +2,8 @@
 the copies into device slots that a plan asks for.
 
 The linears hold `max_loras` serving slots, then the fine-tuning slots (`flexserve.engine.
-finetune_capacity`), sized here at start-up from the fine-tuning memory budget.
+finetune_capacity`), sized here at start-up from the fine-tuning memory budget, then (when there
+are fine-tuning slots) the staging slot of the jobs' backward windows.
 
 The engine's `AdapterManager` decides which adapter goes into which slot; this class only does
 what a plan's `lora_slot_loads` says. Reading from disk happens in `add` (called off the engine
@@ -93,10 +94,17 @@ class LoRAManager:
         budget = finetune_budget_bytes(finetune_config, device)
         self.num_finetune_slots = finetune_slot_count(
             lora_config.max_finetune_loras, self.slot_bytes, budget)
+        # One more slot after the jobs' that no job or adapter holds: a job's backward windows
+        # run with its layer's weights and scaling copied there, so the captured backward
+        # graphs, which read that slot, serve the jobs of one plan in any slot
+        # (`flexserve.worker.finetune.backward_graphs`).
+        self.staging_slot = (lora_config.max_loras + self.num_finetune_slots
+                             if self.num_finetune_slots else None)
+        num_slots = self.num_finetune_slots + (self.staging_slot is not None)
         # What the jobs' training state may take: the budget less the slots.
-        self.finetune_state_bytes = max(budget - self.num_finetune_slots * self.slot_bytes, 0)
+        self.finetune_state_bytes = max(budget - num_slots * self.slot_bytes, 0)
         self.modules = attach_lora_linears(
-            model, lora_config.max_loras + self.num_finetune_slots, lora_config.max_lora_rank)
+            model, lora_config.max_loras + num_slots, lora_config.max_lora_rank)
         if self.layout is not None or len(self.modules) != self.num_layers * len(self.shapes):
             # this rank's shard of a slot, over its pipeline stage's layers
             self.slot_bytes = sum(m.lora_a[0].nbytes + m.lora_b[0].nbytes + 4

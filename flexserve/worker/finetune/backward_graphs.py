@@ -20,9 +20,11 @@ activation arena picked by a static index, its rotary angles those of static pos
 buffers (`BackwardBuffers`) are shared by every job, as windows run one at a time. A window of n
 rows replays the smallest bucket N >= n: rows [n, N) of the inputs are zero and their index and
 position repeat row n - 1, so they add exactly nothing (zero gradients times finite activations:
-the arena starts zeroed) to the LoRA gradients, and their outputs are not copied back. The job's
-gradient buffers, LoRA weights and scaling are read and written in place. On CPU (tests) the
-same padded pieces run eagerly.
+the arena starts zeroed) to the LoRA gradients, and their outputs are not copied back. The pieces
+read the LoRA weights and scaling of the staging slot and add into gradient buffers of their own
+(`LoRAManager.staging_slot`): a window's job has its layer's weights copied there first and the
+gradients added into its own after, so one set of graphs serves every job of a plan, in whichever
+slot it runs. On CPU (tests) the same padded pieces run eagerly.
 
 A layer whose pieces need what a gathered window cannot give (a tensor the plan leaves in the KV
 cache or recomputes from attention, LoRA dropout masks) runs eagerly, as do windows longer than
@@ -132,10 +134,11 @@ class _Graphs:
 
 
 class BackwardGraphs:
-    """One job's layer backward as captured pieces, per (layer, bucket).
+    """The layer backward of the jobs of one plan as captured pieces, per (layer, bucket).
 
-    `template` is a `SequenceBackward` of the job (any sequence's: the pieces read only what all
-    of the job's sequences share: its plan, LoRA slot, gradient buffers and the model). On CUDA
+    `template` is a `SequenceBackward` of the plan on the staging slot with gradient buffers of
+    its own (the pieces read only what all of a job's sequences share: its plan, LoRA weights,
+    gradient buffers and the model; `run_many` stages a job's weights and gradients). On CUDA
     `capture` records the graphs (call it between iterations); elsewhere `run` executes the same
     padded pieces eagerly."""
 
@@ -221,6 +224,8 @@ class BackwardGraphs:
         one by one. Every window must be one `runs` accepts, their rows together one bucket."""
         total = sum(end - start for _, start, end in windows)
         bucket, b = self.bucket(total), self.buffers
+        owner = windows[0][0]
+        self._stage_weights(owner, layer)
         b.load_windows([(owner.store.arena_base + start, start, owner.residual_grad[start:end])
                         for owner, start, end in windows], bucket)
 
@@ -239,9 +244,39 @@ class BackwardGraphs:
         else:
             self._pieces(layer, bucket, eager=True, between=attend)
         offset = 0
-        for owner, start, end in windows:
-            owner.residual_grad[start:end].copy_(b.rows[offset:offset + end - start])
+        for seq, start, end in windows:
+            seq.residual_grad[start:end].copy_(b.rows[offset:offset + end - start])
             offset += end - start
+        self._unstage_gradients(owner, layer)
+
+    def _stage_weights(self, owner: SequenceBackward, layer: int) -> None:
+        """The layer's LoRA weights and scaling of `owner`'s job into the slot the pieces read
+        (the staging slot; nothing when they read the job's own)."""
+        staging, slot = self.template.lora_slot, owner.lora_slot
+        if staging == slot:
+            return
+        dst, src = [], []
+        for target in self.template.graph.bypass:
+            module, rank, _, _ = self.template.lora_parts(layer, target)
+            dst += [module.lora_a[staging, :rank], module.lora_b[staging, :, :rank],
+                    module.scaling[staging:staging + 1]]
+            src += [module.lora_a[slot, :rank], module.lora_b[slot, :, :rank],
+                    module.scaling[slot:slot + 1]]
+        torch._foreach_copy_(dst, src)
+
+    def _unstage_gradients(self, owner: SequenceBackward, layer: int) -> None:
+        """The LoRA gradients the pieces added into their own buffers, added into `owner`'s
+        job's (and the pieces' zeroed for the next window)."""
+        if self.template.lora_slot == owner.lora_slot:
+            return
+        staged, own = [], []
+        for target in self.template.graph.bypass:
+            _, _, grad_a, grad_b = self.template.lora_parts(layer, target)
+            _, _, own_a, own_b = owner.lora_parts(layer, target)
+            staged += [grad_a, grad_b]
+            own += [own_a, own_b]
+        torch._foreach_add_(own, staged)
+        torch._foreach_zero_(staged)
 
     def _has_bottom(self, layer: int) -> bool:
         """Whether the bottom piece does anything: attention's output or the layer's input

@@ -359,6 +359,12 @@ class SequenceBackward:
         self._attention_backward(_Window(self, layer, start, end), op, grad, grads)
         return {name: grads.values[name] for name in op.inputs if name in grads.values}
 
+    def lora_parts(self, layer: int, target: str
+                   ) -> tuple[LoRALinear, int, torch.Tensor, torch.Tensor]:
+        """(the LoRA linear, the adapter's rank, dL/dA buffer, dL/dB buffer) of a target of a
+        layer."""
+        return self._lora[(layer, target)]
+
     def needs_gradient(self, layer: int, name: str) -> bool:
         """Whether a window of `layer` needs dL/d`name` (else its producer's backward is skipped)."""
         return self._needed[layer > 0].get(name, False)
