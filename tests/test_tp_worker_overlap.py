@@ -124,3 +124,26 @@ def test_errors_and_other_ranks_replies_keep_their_places():
     assert replies[0] is None and isinstance(replies[1], WorkerError)
     assert "launch failed" in replies[1].message
     assert replies[2] is None and replies[3] == RankCallError("no such job")
+
+
+def test_the_engine_gone_mid_step_ends_the_loop_quietly():
+    FakeEvent.done = False
+    runner = FakeRunner()
+    engine, rank = Pipe()
+    engine.send_bytes(PlanSender().encode(plan("a", False)))
+    tp_worker.torch.cuda.Event = FakeEvent
+    errors = []
+
+    def serve():
+        try:
+            tp_worker.serve_messages(runner, rank, PromptCache(), 0, True)
+        except Exception as e:  # what must not happen
+            errors.append(e)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    threading.Event().wait(0.1)
+    engine.close()  # the engine process exits while the step runs
+    thread.join(10)
+    assert not thread.is_alive() and not errors
+    assert runner.log == ["launch a", "wait a"]

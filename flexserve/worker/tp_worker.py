@@ -160,7 +160,10 @@ def serve_messages(runner: ModelRunner, conn: Connection, prompts: PromptCache, 
             message = None
         if message is None:
             if pending is not None:
-                conn.send(reply_of(pending))
+                try:
+                    conn.send(reply_of(pending))
+                except OSError:  # the engine process is gone: nobody waits for it
+                    pass
             return
         if pending is not None and not (overlap and isinstance(message, BatchPlan)
                                         and message.continues_previous):
