@@ -339,10 +339,7 @@ class FinetuneScheduler:
         no job has work left (and no further bin may start)."""
         picker = picker or self.default_picker
         forwarded: set[tuple[str, int]] = set()  # sequences with a forward window in this plan
-        # the window group of the plan's forward windows (the first grouped job's sets it)
-        self._plan_group = next((self.jobs[w.job_id].window_group for w in plan.finetune_windows
-                                 if w.job_id in self.jobs
-                                 and self.jobs[w.job_id].window_group is not None), None)
+        self._plan_group = None  # set by the plan's first forward window of a grouped job
         progress = True
         while progress:
             progress = self._start_next_bin(plan)

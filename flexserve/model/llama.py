@@ -373,11 +373,9 @@ class LlamaModel(nn.Module):
         self.is_first, self.is_last = stage.is_first, stage.is_last
         self.first_layer, self.end_layer = stage.layer_range(config.num_hidden_layers)
         self.embed_tokens: nn.Module | None = None
-        if not self.is_first:
-            pass
-        elif tp.world_size == 1:
+        if self.is_first and tp.world_size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:
+        elif self.is_first:
             self.embed_tokens = VocabParallelEmbedding(
                 layout.vocab_per_rank, config.hidden_size, layout.vocab_start, layout.vocab_end, tp)
         self.layers = nn.ModuleList(
@@ -390,7 +388,6 @@ class LlamaModel(nn.Module):
             self.layers[self.first_layer:self.end_layer])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
         self.rotary_emb = RotaryEmbedding.from_config(config, layout.head_dim, max_position)
-
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -440,14 +437,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.layout, self.tp, max_position, self.stage)
         head_rows = config.vocab_size if self.tp.world_size == 1 else self.layout.vocab_per_rank
         self.lm_head: nn.Linear | None = None
-        if not self.stage.is_last:
-            pass
-        elif self.tie_word_embeddings and self.stage.is_first:
+        if self.stage.is_last and self.tie_word_embeddings and self.stage.is_first:
             # Allocated on meta and replaced at once: a tied head must not cost vocab x hidden.
             with torch.device("meta"):
                 self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
+        elif self.stage.is_last:
             self.lm_head = nn.Linear(config.hidden_size, head_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -90,6 +90,12 @@ def run_message(runner: ModelRunner, message: Any, driver: bool) -> Any:
     None otherwise."""
     result = call_runner(runner, message) if isinstance(message, RankCall) else \
         runner.execute(message)
+    return _sent_back(result, driver)
+
+
+def _sent_back(result: Any, driver: bool) -> Any:
+    """What a rank replies for a message's result: the result on the driver rank, a
+    `RankCallError` on any rank, None otherwise."""
     return result if driver or isinstance(result, RankCallError) else None
 
 
@@ -148,7 +154,7 @@ def serve_messages(runner: ModelRunner, conn: Connection, prompts: PromptCache, 
             result = wait()
         except Exception:
             return WorkerError(rank, traceback.format_exc())
-        return result if driver or isinstance(result, RankCallError) else None
+        return _sent_back(result, driver)
 
     while True:
         if pending is not None and not _next_message_first(conn, done):

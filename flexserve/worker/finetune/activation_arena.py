@@ -82,13 +82,7 @@ class ActivationArena:
     def holds_exactly(self, layout: list[tuple[int, str, int, torch.dtype]]) -> bool:
         """Whether the arena's tensors are exactly those of this (layer, name, width, dtype)
         layout."""
-        if len(layout) != len(self._tensors):
-            return False
-        for layer, name, width, dtype in layout:
-            t = self._tensors.get((layer, name))
-            if t is None or t.shape[1] != width or t.dtype != dtype:
-                return False
-        return True
+        return len(layout) == len(self._tensors) and all(self.holds(*entry) for entry in layout)
 
     def get(self, layer: int, name: str) -> torch.Tensor:
         """The whole [num_rows + 1, width] tensor of (layer, name) (KeyError when missing)."""

@@ -250,11 +250,9 @@ class BackwardGraphs:
         self._unstage_gradients(owner, layer)
 
     def _stage_weights(self, owner: SequenceBackward, layer: int) -> None:
-        """The layer's LoRA weights and scaling of `owner`'s job into the slot the pieces read
-        (the staging slot; nothing when they read the job's own)."""
+        """The layer's LoRA weights and scaling of `owner`'s job into the staging slot, which
+        the pieces read."""
         staging, slot = self.template.lora_slot, owner.lora_slot
-        if staging == slot:
-            return
         dst, src = [], []
         for target in self.template.graph.bypass:
             module, rank, _, _ = self.template.lora_parts(layer, target)
@@ -267,8 +265,6 @@ class BackwardGraphs:
     def _unstage_gradients(self, owner: SequenceBackward, layer: int) -> None:
         """The LoRA gradients the pieces added into their own buffers, added into `owner`'s
         job's (and the pieces' zeroed for the next window)."""
-        if self.template.lora_slot == owner.lora_slot:
-            return
         staged, own = [], []
         for target in self.template.graph.bypass:
             _, _, grad_a, grad_b = self.template.lora_parts(layer, target)
