@@ -22,7 +22,7 @@ from typing import Any
 
 from flexserve.config import EngineConfig
 from flexserve.distributed.parallel_state import free_port
-from flexserve.engine.plan import BatchPlan, StepResult
+from flexserve.engine.plan import BatchPlan
 from flexserve.model.registry import ResolvedModel
 from flexserve.worker.distributed_executor import DistributedExecutor, WorkerDiedError
 from flexserve.worker.plan_wire import PlanSender
@@ -61,7 +61,10 @@ class MultiprocExecutor(DistributedExecutor):
         self._sender = PlanSender()
         self._num_sent = 0  # plans sent to the ranks
         self._num_received = 0  # plans every rank has answered
-        self._results: dict[int, StepResult] = {}  # rank 0's results not taken yet, by plan
+        # Replies received and not taken yet, by message; messages whose waiter was dropped
+        # unanswered (a plan launched ahead whose tokens nobody reads), whose replies go
+        self._results: dict[int, Any] = {}
+        self._abandoned: set[int] = set()
         try:
             self.ready: WorkerReady = self._receive_all()[0]
         except BaseException:
@@ -89,17 +92,29 @@ class MultiprocExecutor(DistributedExecutor):
             except OSError:  # its end of the pipe closed: the process is exiting or gone
                 self._fail(self._exit_reason(rank))
         self._num_sent += 1
-        return lambda: self._result_of(index)
+        return _Reply(self, index)
 
     # ---------------------------------------------------------------------------------- internals
-    def _result_of(self, index: int) -> StepResult:
+    def _result_of(self, index: int) -> Any:
+        """The reply to message `index`, receiving the replies before it first. Replies may be
+        waited for in any order: a rank call between a plan launched ahead and its wait takes
+        its own reply and leaves the plan's for it."""
         while self._num_received <= index:
             self._check_alive()
-            self._results[self._num_received] = rank_reply(self._receive_all(), self._driver)
+            reply = rank_reply(self._receive_all(), self._driver)
+            if self._num_received in self._abandoned:
+                self._abandoned.discard(self._num_received)
+            else:
+                self._results[self._num_received] = reply
             self._num_received += 1
-        for earlier in [i for i in self._results if i < index]:
-            del self._results[earlier]  # a result nobody waited for
         return self._results.pop(index)
+
+    def _abandon(self, index: int) -> None:
+        """Message `index`'s waiter went without waiting: its reply is dropped."""
+        if index < self._num_received:
+            self._results.pop(index, None)
+        else:
+            self._abandoned.add(index)
 
     def _receive_all(self) -> list[Any]:
         """One reply from every rank, in rank order; raises `WorkerDiedError` when a rank died
@@ -144,6 +159,26 @@ class MultiprocExecutor(DistributedExecutor):
                 process.terminate()
         self.shutdown()
         raise self._error
+
+
+class _Reply:
+    """Waits for one message's reply (`MultiprocExecutor._result_of`), once; dropped without
+    waiting, it lets the executor drop the reply."""
+
+    __slots__ = ("_executor", "_index", "_waited")
+
+    def __init__(self, executor: MultiprocExecutor, index: int) -> None:
+        self._executor, self._index, self._waited = executor, index, False
+
+    def __call__(self) -> Any:
+        if self._waited:
+            raise RuntimeError(f"the reply to message {self._index} was taken already")
+        self._waited = True
+        return self._executor._result_of(self._index)
+
+    def __del__(self) -> None:
+        if not self._waited:
+            self._executor._abandon(self._index)
 
 
 def _stop_workers(processes: list[BaseProcess], conns: list[Connection]) -> None:
