@@ -204,7 +204,7 @@ def bench_argv(args: argparse.Namespace, url: str, policy: str, rate: float | No
 
 SERVER_SUMS = ("flexserve:iteration_latency_seconds", "flexserve:inter_token_latency_seconds")
 SERVER_GAUGES = ("flexserve:latency_model_error_ratio", "flexserve:latency_model_scale",
-                 "flexserve:iteration_overhead_seconds")
+                 "flexserve:latency_model_backward_scale", "flexserve:iteration_overhead_seconds")
 
 
 def server_metrics(url: str) -> dict[str, float]:

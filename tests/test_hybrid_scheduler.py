@@ -38,6 +38,7 @@ class FakeLatencyModel:
 
     error_ratio = 0.0
     scale = 1.0
+    backward_scale = 1.0
 
     def __init__(self, per_token: float = 2e-5, per_decode_context: float = 1e-7,
                  per_backward_token: float = 1e-5, base: float = 2e-3) -> None:

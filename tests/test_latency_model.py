@@ -267,10 +267,37 @@ def test_online_model_follows_a_drifted_device():
     for shape, seconds in stream[5:]:
         online.observe(shape, 1.5 * seconds)
     assert online.num_observed == 300
-    assert online.scale == pytest.approx(1.5, rel=1e-3)
-    assert online.error_ratio < 0.01 < early_error
+    assert online.scale == pytest.approx(1.5, rel=1e-2)
+    # Backward windows are a small share of these iterations: their scale follows slower,
+    # and matters as little.
+    assert 1.2 < online.backward_scale <= 1.5
+    assert online.error_ratio < 0.02 < early_error
     shape = stream[0][0]
-    assert online.predict(shape) == pytest.approx(1.5 * base.predict(shape), rel=1e-3)
+    assert online.predict(shape) == pytest.approx(1.5 * base.predict(shape), rel=1e-2)
+
+
+def test_online_model_corrects_backward_windows_on_their_own():
+    # The profile under-predicts backward windows 2x (its windows were short) and is right
+    # about everything else: the backward correction takes the error, the forward's stays.
+    profile = true_model()
+    device = LatencyModel.from_dict({
+        "format": "flexserve-latency-model", "version": 1, "knots": KNOTS, "metadata": {},
+        "coefficients": {name: 2 * c if name.startswith("backward_") else c
+                         for name, c in TRUE.items()}})
+    online = OnlineLatencyModel(profile, ewma_alpha=0.1)
+    for shape, seconds in samples_of(device, 600, seed=3):
+        online.observe(shape, seconds)
+    assert online.scale == pytest.approx(1.0, rel=0.05)
+    assert online.backward_scale == pytest.approx(2.0, rel=0.05)
+    heavy = inference_row_shape(1024, 1)
+    decode_only = IterationShape() + heavy
+    for start in range(0, 8192, 512):  # one iteration of many long backward windows
+        heavy += backward_window_shape(start, start + 512)
+    for shape in (heavy, decode_only):
+        assert online.predict(shape) == pytest.approx(device.predict(shape), rel=0.05)
+    # One scale for both would err on one of them by tens of percent.
+    ratio = device.predict(heavy) / profile.predict(heavy)
+    assert ratio > 1.5 and device.predict(decode_only) == profile.predict(decode_only)
 
 
 def test_online_model_outlier_moves_the_scale_a_little():

@@ -29,8 +29,8 @@ GAUGES = {
     "flexserve:num_requests_running", "flexserve:num_requests_waiting",
     "flexserve:kv_cache_usage_perc", "flexserve:prefix_cache_hit_rate",
     "flexserve:slo_attainment", "flexserve:latency_model_error_ratio",
-    "flexserve:latency_model_scale", "flexserve:iteration_overhead_seconds",
-    "flexserve:slo_feasible",
+    "flexserve:latency_model_scale", "flexserve:latency_model_backward_scale",
+    "flexserve:iteration_overhead_seconds", "flexserve:slo_feasible",
 }
 COUNTERS = {  # family names: the exposition adds `_total`
     "flexserve:prompt_tokens", "flexserve:generation_tokens", "flexserve:request_success",
@@ -191,7 +191,7 @@ def test_coserving_metrics_map_slo_attainment_and_fine_tuning_work():
                                       finished(0.2, 0.08), finished(0.3, None)],
         finetune_forward_tokens={"ftjob-a": 30, "ftjob-b": 10},
         finetune_backward_tokens={"ftjob-a": 96}, latency_model_error_ratio=0.12,
-        latency_model_scale=1.5, iteration_overhead=0.004))
+        latency_model_scale=1.5, latency_model_backward_scale=2.5, iteration_overhead=0.004))
     s = scrape(metrics.render()[0].decode())
     assert value(s, "flexserve:requests_slo_met_total", slo="ttft") == 3
     assert value(s, "flexserve:requests_slo_met_total", slo="tpot") == 3  # one token: met
@@ -203,6 +203,7 @@ def test_coserving_metrics_map_slo_attainment_and_fine_tuning_work():
     assert value(s, "flexserve:finetune_window_tokens_sum") == 40
     assert value(s, "flexserve:latency_model_error_ratio") == 0.12
     assert value(s, "flexserve:latency_model_scale") == 1.5
+    assert value(s, "flexserve:latency_model_backward_scale") == 2.5
     assert value(s, "flexserve:iteration_overhead_seconds") == 0.004
     # The attainment window rolls: after 10 s only the newer requests count.
     metrics.record(IterationStats(now=105.0, finished_requests=[finished(2.0, 0.2)]))

@@ -394,6 +394,7 @@ class AsyncLLMEngine:
             stats.finetune_backward_tokens = step_stats.finetune_backward_tokens
             stats.latency_model_error_ratio = step_stats.latency_model_error_ratio
             stats.latency_model_scale = step_stats.latency_model_scale
+            stats.latency_model_backward_scale = step_stats.latency_model_backward_scale
             stats.iteration_overhead = step_stats.iteration_overhead
         for request_id, reason in self.engine.pop_failed_requests().items():
             tracker = self._trackers.pop(request_id, None)

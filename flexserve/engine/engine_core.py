@@ -39,6 +39,7 @@ class StepStats:
     predicted_latency: float = 0.0  # the latency model's prediction for this plan, seconds
     latency_model_error_ratio: float = 0.0  # rolling |predicted - measured| / measured
     latency_model_scale: float = 1.0  # the latency model's online correction factor
+    latency_model_backward_scale: float = 1.0  # its correction of backward windows' terms
     iteration_overhead: float = 0.0  # seconds: EWMA of host time between back-to-back steps
 
 
@@ -118,6 +119,7 @@ class EngineCore:
             predicted_latency=hybrid.last_predicted_s,
             latency_model_error_ratio=hybrid.latency_model.error_ratio,
             latency_model_scale=hybrid.latency_model.scale,
+            latency_model_backward_scale=hybrid.latency_model.backward_scale,
             iteration_overhead=hybrid.overhead_s,
         )
         for window in plan.finetune_windows:

@@ -338,7 +338,8 @@ class HybridTokenScheduler:
             predicted = self.last_predicted_s if plan is self._last_plan \
                 else self.latency_model.predict(shape)
             self.trace.record(shape, predicted, seconds, self.latency_model.scale,
-                              self.last_mode.value if self.last_mode else None, thread_seconds)
+                              self.last_mode.value if self.last_mode else None, thread_seconds,
+                              self.latency_model.backward_scale)
         self.latency_model.observe(shape, seconds)
         if self.tpot_feasibility is not None:
             self.tpot_feasibility.observe(shape, seconds)

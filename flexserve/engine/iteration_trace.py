@@ -5,7 +5,8 @@
 - one per executed iteration: its `IterationShape` counts, the prediction the window sizing
   used (`predicted`, corrected), the measured `seconds` of schedule + execute, the engine
   thread's CPU time in them (`thread_seconds`: far below `seconds` means the thread waited, for
-  the device, the GIL or a lock), the online `scale` and the step `mode`;
+  the device, the GIL or a lock), the online corrections (`scale`, `backward_scale`) and the
+  step `mode`;
 - `{"event": "triton_compile", "kernel", "seconds", "key"}` for every Triton kernel variant compiled
   while the engine runs (a variant the start-up warm-up missed stalls its iteration 0.5-1.5 s
   on an H200);
@@ -53,10 +54,12 @@ class IterationTrace:
             self._file.write(text)
 
     def record(self, shape: IterationShape, predicted: float, seconds: float, scale: float,
-               mode: str | None, thread_seconds: float | None = None) -> None:
+               mode: str | None, thread_seconds: float | None = None,
+               backward_scale: float = 1.0) -> None:
         line: dict[str, Any] = {name: getattr(shape, name) for name in SHAPE_FIELDS}
-        line.update(predicted=predicted, seconds=seconds, scale=scale, mode=mode,
-                    thread_seconds=thread_seconds, time=time.time())
+        line.update(predicted=predicted, seconds=seconds, scale=scale,
+                    backward_scale=backward_scale, mode=mode, thread_seconds=thread_seconds,
+                    time=time.time())
         self._write(line)
 
     def event(self, kind: str, **fields: Any) -> None:

@@ -80,6 +80,7 @@ _TERMS: tuple[tuple[str, Callable[[IterationShape], float]], ...] = (
     ("backward_tokens", lambda s: s.backward_tokens),
     ("backward_attention", lambda s: s.backward_attention),
 )
+_BACKWARD_TERMS = ("backward_windows", "backward_tokens", "backward_attention")
 _MIN_KNOT = 16
 
 
@@ -163,10 +164,20 @@ class LatencyModel:
             raise ValueError("latency model coefficients must be finite and >= 0")
         self.coefficients = coefficients
         self.knots = knots
+        self._backward_terms = [name in _BACKWARD_TERMS for name in _feature_names(knots)]
         self.metadata: dict = dict(metadata or {})
 
     def predict(self, shape: IterationShape) -> float:
         return sum(c * f for c, f in zip(self.coefficients, _features(shape, self.knots)))
+
+    def predict_parts(self, shape: IterationShape) -> tuple[float, float]:
+        """`predict` split in two: (the forward's share, the backward windows' share: the
+        c9-c11 terms); they sum to `predict(shape)`."""
+        parts = [0.0, 0.0]
+        for c, f, backward in zip(self.coefficients, _features(shape, self.knots),
+                                  self._backward_terms):
+            parts[backward] += c * f
+        return parts[0], parts[1]
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[IterationShape, float]], metadata: dict | None = None,

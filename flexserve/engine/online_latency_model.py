@@ -17,12 +17,17 @@ logger = logging.getLogger(__name__)
 class OnlineLatencyModel:
     """What the scheduler holds: a base model (a profile, or the fallback) corrected online.
 
-    With a profile, predict = base.predict(shape) * scale, where scale is an EWMA (`ewma_alpha`)
-    of measured / predicted over the observed iterations. Each ratio is clamped to
-    [scale / 2, 2 * scale] first, and the scale stays in [1/4, 4]. An iteration over
-    `stall_ratio` (3) x the corrected prediction is a stall (a compile, an allocator retry) and
-    leaves the scale alone, unless `max_stalls` (8) come in a row: then the device really is
-    slower and the scale follows.
+    With a profile, predict = scale * forward + backward_scale * backward, where (forward,
+    backward) is the base prediction split into the forward's share and the backward windows'
+    (`LatencyModel.predict_parts`): one correction for each, as a profile can miss one kind of
+    work alone (a profile whose backward windows were short under-predicts an iteration of many
+    long ones, whose attention reads up to 8K keys each). Each observed iteration moves each
+    scale towards the value that would have made its prediction exact, by `ewma_alpha` times
+    that part's share (`_correct`); an iteration without backward windows moves `scale` exactly
+    as an EWMA of measured / predicted. The measured time is clamped to [1/2, 2] x the
+    prediction first, and each scale stays in [1/4, 4]. An iteration over `stall_ratio` (3) x the corrected
+    prediction is a stall (a compile, an allocator retry) and leaves the scales alone, unless
+    `max_stalls` (8) come in a row: then the device really is slower and the scales follow.
 
     Without a profile (`is_fallback`) the model is conservative on purpose: an optimistic f breaks
     the inference SLO, a pessimistic one only costs fine-tuning throughput.
@@ -35,7 +40,8 @@ class OnlineLatencyModel:
       measured iterations (0 before the first; the cap alone bounds that first window).
     - Then every `refit_interval` observations the model is refitted by NNLS (like a profile) on
       the last `max_samples` observations, and predict = fit x scale x safety_factor (the scale
-      restarts at 1 after each refit and tracks drift between refits). A due refit runs when
+      restarts at 1 after each refit and tracks drift between refits; the fit itself separates
+      backward work, so the fallback has one scale). A due refit runs when
       the fit is next used for fine-tuning work (a prediction with fine-tuning tokens, `model`,
       the caps), not in `observe`: inference-only serving never pays for it (a refit on 512
       samples took ~16 ms of host time, ~0.5 ms per decode step on average, measured on this
@@ -57,6 +63,7 @@ class OnlineLatencyModel:
         self.min_fit_samples = min_fit_samples
         self.refit_interval = refit_interval
         self._scale = 1.0
+        self._backward_scale = 1.0  # with a profile: the backward windows' own correction
         self._num_observed = 0
         self.stall_ratio = 3.0  # measured / predicted above which an iteration is a stall
         self.max_stalls = 8  # stalls in a row after which the scale follows anyway
@@ -80,6 +87,11 @@ class OnlineLatencyModel:
     def scale(self) -> float:
         """The current correction factor of the base (or fallback fit) prediction."""
         return self._scale
+
+    @property
+    def backward_scale(self) -> float:
+        """The correction factor of the profile's backward-window terms (1 without a profile)."""
+        return self._backward_scale
 
     @property
     def num_observed(self) -> int:
@@ -118,7 +130,8 @@ class OnlineLatencyModel:
         """Seconds the iteration is expected to take (corrected); inf when the fallback refuses
         to extrapolate that far."""
         if self.base is not None:
-            return self.base.predict(shape) * self._scale
+            forward, backward = self.base.predict_parts(shape)
+            return self._scale * forward + self._backward_scale * backward
         if shape.finetune_tokens or shape.backward_tokens:
             self._refit_if_due()
         if (shape.finetune_tokens > self._max_finetune_tokens
@@ -136,27 +149,48 @@ class OnlineLatencyModel:
         if math.isfinite(predicted) and predicted > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
         self._num_observed += 1
-        model = self.base if self.base is not None else self._fitted
-        uncorrected = model.predict(shape) if model is not None else 0.0
-        if uncorrected > 0:
-            raw = seconds / uncorrected
+        if self.base is not None:
+            forward, backward = self.base.predict_parts(shape)
+        else:  # the fallback's fit has one scale (it is refitted on what it sees)
+            forward, backward = (self._fitted.predict(shape) if self._fitted else 0.0), 0.0
+        corrected = self._scale * forward + self._backward_scale * backward
+        if corrected > 0:
             # A lone iteration several times slower than predicted is a stall (a kernel compiled
             # for a new shape, an allocator retry), not a slower device: H200, Llama-3.1-8B, the
             # first backward windows of a job took 1.0-1.3 s against 45 ms predicted and drove
             # the scale to 3.5, shrinking every window for the next ~20 iterations. Only a run of
-            # `max_stalls` such iterations in a row moves the scale.
-            self._num_stalls = self._num_stalls + 1 if raw > self.stall_ratio * self._scale \
-                else 0
+            # `max_stalls` such iterations in a row moves the scales.
+            stall = seconds > self.stall_ratio * corrected
+            self._num_stalls = self._num_stalls + 1 if stall else 0
             if not 0 < self._num_stalls <= self.max_stalls:
-                ratio = min(max(raw, 0.5 * self._scale), 2.0 * self._scale)
-                self._scale += self.ewma_alpha * (ratio - self._scale)
-                self._scale = min(max(self._scale, 0.25), 4.0)
+                self._correct(forward, backward, corrected, seconds)
         if self.base is None:
             self._samples.append((shape, seconds))
             self._recent.append(seconds)
             self._since_fit += 1
             if self._since_fit >= self.refit_interval or self._fitted is None:
                 self._refit_due = True
+
+    def _correct(self, forward: float, backward: float, corrected: float,
+                 seconds: float) -> None:
+        """Move (scale, backward_scale) towards `seconds` (clamped to [1/2, 2] x `corrected`):
+        each towards the value that would have made the prediction exact with the other one
+        kept (clamped to [1/2, 2] x itself), by `ewma_alpha` times its part's share of the
+        prediction. An iteration without backward windows moves `scale` as an EWMA of measured
+        / predicted; one that is mostly backward windows moves mostly `backward_scale`."""
+        target = min(max(seconds, 0.5 * corrected), 2.0 * corrected)
+        scale, backward_scale = self._scale, self._backward_scale
+        share = backward_scale * backward / corrected  # the backward windows' share
+        if forward > 0:
+            implied = min(max((target - backward_scale * backward) / forward, 0.5 * scale),
+                          2.0 * scale)
+            self._scale = min(max(scale + self.ewma_alpha * (1 - share) * (implied - scale),
+                                  0.25), 4.0)
+        if backward > 0:
+            implied = min(max((target - scale * forward) / backward, 0.5 * backward_scale),
+                          2.0 * backward_scale)
+            self._backward_scale = min(max(
+                backward_scale + self.ewma_alpha * share * (implied - backward_scale), 0.25), 4.0)
 
     def _refit_if_due(self) -> None:
         if self._refit_due:

@@ -59,6 +59,7 @@ class IterationStats:
     finetune_backward_tokens: dict[str, int] = field(default_factory=dict)  # layer-window tokens
     latency_model_error_ratio: float | None = None  # rolling |predicted - measured| / measured
     latency_model_scale: float | None = None  # the latency model's online correction factor
+    latency_model_backward_scale: float | None = None  # its correction of backward windows'
     iteration_overhead: float | None = None  # seconds: EWMA of host time between steps
     # whether a decode step alone fits the TPOT limit (TPOTFeasibility); None: no SLO or unknown
     slo_tpot_feasible: bool | None = None

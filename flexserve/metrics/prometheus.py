@@ -171,8 +171,12 @@ class PrometheusStatLogger:
             "model that sizes fine-tuning windows.")
         self.latency_model_scale = gauge(
             "flexserve:latency_model_scale",
-            "The latency model's online correction: measured / predicted iteration time, "
-            "averaged (1 = the profile holds).")
+            "The latency model's online correction of the forward's terms: measured / "
+            "predicted iteration time, averaged (1 = the profile holds).")
+        self.latency_model_backward_scale = gauge(
+            "flexserve:latency_model_backward_scale",
+            "The latency model's online correction of the backward windows' terms (1 = the "
+            "profile holds).")
         self.iteration_overhead = gauge(
             "flexserve:iteration_overhead_seconds",
             "Average host time between two back-to-back iterations while requests run (output "
@@ -263,6 +267,8 @@ class PrometheusStatLogger:
             self.latency_model_error_ratio.set(stats.latency_model_error_ratio)
         if stats.latency_model_scale is not None:
             self.latency_model_scale.set(stats.latency_model_scale)
+        if stats.latency_model_backward_scale is not None:
+            self.latency_model_backward_scale.set(stats.latency_model_backward_scale)
         if stats.iteration_overhead is not None:
             self.iteration_overhead.set(stats.iteration_overhead)
         if stats.finetune_forward_tokens or stats.finetune_backward_tokens:
