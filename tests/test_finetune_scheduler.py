@@ -528,3 +528,34 @@ def test_forward_windows_of_one_plan_share_an_iteration_only_with_their_window_g
         shared += jobs == {"a", "c"}
     assert not ft.has_work() and shared > 0
     assert all(ft.jobs[j].status == FinetuneJobStatus.SUCCEEDED for j in groups)
+
+
+def test_jobs_of_one_window_group_run_their_backward_in_lockstep():
+    """The backward windows of the jobs of one window group (one plan, whose backward pieces
+    they share) move in lockstep: a plan's windows of one layer of every job's sequences follow
+    each other (the worker runs them as one); a job of another group keeps its own lockstep.
+    Every job still finishes, each step covering exactly its batch."""
+    ft = finetune_only()
+    groups = {"a": (8, ("down_proj",)), "b": (8, ("down_proj",)), "c": (16, ("down_proj",))}
+    for job_id, group in groups.items():
+        state = job(job_id, [9, 7, 12], [[0, 1], [2]], pack_capacity=40)
+        state.window_group = group
+        ft.add_job(state)
+    mixed_layers = 0
+    for _ in range(300):
+        if not ft.has_work():
+            break
+        plan = step(ft, 40)
+        windows = [(w.job_id, w.layer) for w in plan.backward_windows]
+        # Windows of a and b of one layer are next to each other: a layer of the group is one
+        # run of consecutive windows.
+        runs = [key for i, key in enumerate(windows)
+                if groups[key[0]] == groups["a"]
+                and (i == 0 or windows[i - 1][1] != key[1] or groups[windows[i - 1][0]] != groups["a"])]
+        layers = [layer for _, layer in runs]
+        assert len(layers) == len(set(layers)), windows
+        for layer in set(layers):
+            jobs = {j for j, w_layer in windows if w_layer == layer and groups[j] == groups["a"]}
+            mixed_layers += jobs == {"a", "b"}
+    assert not ft.has_work() and mixed_layers > 0
+    assert all(ft.jobs[j].status == FinetuneJobStatus.SUCCEEDED for j in groups)

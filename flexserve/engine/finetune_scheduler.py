@@ -346,12 +346,13 @@ class FinetuneScheduler:
             candidates = [job for job in self.jobs.values() if self._has_work(job, forwarded)]
             while candidates:
                 job = picker.pick(candidates)
-                num_tokens, backward = self._place_window(plan, job, sizer, forwarded)
+                num_tokens, backward, owner = self._place_window(plan, job, sizer, forwarded)
                 if num_tokens > 0:
-                    picker.charge(job, num_tokens, backward)
+                    picker.charge(owner, num_tokens, backward)
                     progress = True
-                if num_tokens == 0 or not self._has_work(job, forwarded):
+                if num_tokens == 0:
                     candidates = [c for c in candidates if c is not job]
+                candidates = [c for c in candidates if self._has_work(c, forwarded)]
 
     def _has_work(self, job: FinetuneJobState, forwarded: set[tuple[str, int]]) -> bool:
         """Whether the job has a started sequence that may get a window in this plan."""
@@ -361,10 +362,12 @@ class FinetuneScheduler:
                    for s in job.running)
 
     def _place_window(self, plan: BatchPlan, job: FinetuneJobState, sizer: WindowSizer,
-                      forwarded: set[tuple[str, int]]) -> tuple[int, bool]:
-        """Place the job's next window (forward windows of its bin first, then backward ones);
-        returns its tokens (0 when nothing could be placed: no KV blocks for its next bin, or
-        the sizer said 0 to every window) and whether it is a backward window."""
+                      forwarded: set[tuple[str, int]]
+                      ) -> tuple[int, bool, FinetuneJobState]:
+        """Place the job's next window (forward windows of its bin first, then backward ones:
+        the job's, or another job's of its window group that is further behind); returns its
+        tokens (0 when nothing could be placed: no KV blocks for its next bin, or the sizer
+        said 0 to every window), whether it is a backward window and whose it is."""
         group = job.window_group
         if group is not None and job.in_reference_pass:
             group = ("reference",)  # a DPO reference pass keeps nothing: windows run eagerly
@@ -399,35 +402,44 @@ class FinetuneScheduler:
                 elif job.beta is None:
                     seq.backward_layer, seq.backward_end = self.num_layers - 1, seq.length
                 # a DPO side waits for its pair's coefficient (`_start_pair_backward`)
-            return n, False
+            return n, False, job
         # Sequences in their backward move in lockstep: the one furthest behind (highest layer,
         # then most of its layer left) goes next, so windows of one layer on several sequences
-        # follow each other in the plan and the worker runs them as one.
-        behind = sorted((s for s in job.running if not s.done and s.backward_layer >= 0
-                         and (job.job_id, s.sequence_id) not in forwarded),
-                        key=lambda s: (-s.backward_layer, -s.backward_end))
-        for seq in behind:
+        # follow each other in the plan and the worker runs them as one. Jobs of one window
+        # group (one plan: their backward pieces are shared) move in lockstep together, so the
+        # worker runs windows of several jobs as one too (MuxTune's batched backward).
+        jobs = [job] if group is None or job.in_reference_pass else [
+            j for j in self.jobs.values()
+            if j.window_group == group and not j.finished and not j.in_reference_pass]
+        order = {j.job_id: i for i, j in enumerate(jobs)}
+        behind = sorted(((j, s) for j in jobs for s in j.running
+                         if not s.done and s.backward_layer >= 0
+                         and (j.job_id, s.sequence_id) not in forwarded),
+                        key=lambda js: (-js[1].backward_layer, -js[1].backward_end,
+                                        order[js[0].job_id]))
+        for owner, seq in behind:
             n = sizer.backward(seq.backward_end, seq.backward_end)
             if n <= 0:
                 continue
             if seq.grad_scale is not None:  # before its first backward window runs
-                plan.finetune_grad_scales.append((job.job_id, seq.sequence_id, seq.grad_scale))
+                plan.finetune_grad_scales.append((owner.job_id, seq.sequence_id,
+                                                  seq.grad_scale))
                 seq.grad_scale = None
             plan.backward_windows.append(BackwardWindow(
-                job.job_id, seq.sequence_id, seq.backward_layer, seq.backward_end - n,
+                owner.job_id, seq.sequence_id, seq.backward_layer, seq.backward_end - n,
                 seq.backward_end))
-            job.num_backward_tokens += n
+            owner.num_backward_tokens += n
             seq.backward_end -= n
             if seq.backward_end == 0:
                 seq.backward_layer -= 1
                 seq.backward_end = seq.length
             if seq.backward_layer < 0:  # its last window is in this plan
                 seq.done = True
-                plan.finished_finetune_sequences.append((job.job_id, seq.sequence_id))
-                if job.next_bin == len(job.bins) and all(s.done for s in job.running):
-                    plan.optimizer_steps.append(job.job_id)
-            return n, True
-        return 0, False
+                plan.finished_finetune_sequences.append((owner.job_id, seq.sequence_id))
+                if owner.next_bin == len(owner.bins) and all(s.done for s in owner.running):
+                    plan.optimizer_steps.append(owner.job_id)
+            return n, True, owner
+        return 0, False, job
 
     # -------------------------------------------------------------------------------- rounds
     def _start_next_bin(self, plan: BatchPlan) -> bool:

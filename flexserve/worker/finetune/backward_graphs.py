@@ -26,6 +26,12 @@ read the LoRA weights and scaling of the staging slot and add into gradient buff
 gradients added into its own after, so one set of graphs serves every job of a plan, in whichever
 slot it runs. On CPU (tests) the same padded pieces run eagerly.
 
+Windows of several jobs of the plan run as one too (MuxTune's batched backward): `run_many`
+stacks their rows, stages the jobs' adapters side by side (`StagedLoRA`: each row's LoRA math on
+its own job's block) and replays the pieces of a job width (2, 4 or 8 jobs, captured with
+`prepare_width` once that many jobs of the plan run), so the frozen GEMMs of a layer run once
+over every job's rows.
+
 A layer whose pieces need what a gathered window cannot give (a tensor the plan leaves in the KV
 cache or recomputes from attention, LoRA dropout masks) runs eagerly, as do windows longer than
 the largest bucket and sequences whose activations are not in the arena.
@@ -45,6 +51,7 @@ from flexserve.worker.finetune.layer_backward import (
     WindowUnsupported,
     _Window,
 )
+from flexserve.worker.finetune.staged_lora import StagedLoRA
 from flexserve.worker.safe_capture import CaptureFailed, capture
 
 logger = logging.getLogger(__name__)
@@ -53,6 +60,14 @@ logger = logging.getLogger(__name__)
 # backward window's fixed cost is of the order of a 4096-row window's GEMMs); longer ones run
 # eagerly. The graphs' private memory is the largest bucket's working set, shared by all.
 BACKWARD_GRAPH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Job widths of pieces that run several jobs' windows as one: the LoRA products are this many
+# rank blocks wide (a row keeps its own), so a width serves every smaller number of jobs.
+JOB_WIDTHS = (2, 4, 8)
+
+
+def job_width(num_jobs: int) -> int | None:
+    """The smallest job width for `num_jobs` jobs (> 1); None when more than the widest."""
+    return next((w for w in JOB_WIDTHS if w >= num_jobs), None)
 
 
 def backward_buckets(max_rows: int) -> tuple[int, ...]:
@@ -133,6 +148,13 @@ class _Graphs:
     bottom: torch.cuda.CUDAGraph | None  # None: nothing below attention has a gradient
 
 
+@dataclass(slots=True)
+class _Width:
+    """The pieces of one job width: a template on staged adapters and its graphs."""
+    template: SequenceBackward
+    graphs: dict[tuple[int, int], _Graphs]
+
+
 class BackwardGraphs:
     """The layer backward of the jobs of one plan as captured pieces, per (layer, bucket).
 
@@ -160,8 +182,10 @@ class BackwardGraphs:
         self._widths = {name: graph.tensors[name].width
                         for name in (self._attention.outputs[0], *self._attention.inputs)}
         self._graphs: dict[tuple[int, int], _Graphs] = {}
+        self._job_widths: dict[int, _Width] = {}  # job width -> its pieces (`prepare_width`)
         self._eager_layers: set[int] = set()  # layers whose pieces cannot run gathered
         self.capture_failed = False  # a capture failed: the windows run eagerly
+        self._prepared = False
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -175,21 +199,53 @@ class BackwardGraphs:
             return False
         return not self.use_graphs or (layer, bucket) in self._graphs
 
+    @property
+    def max_jobs(self) -> int:
+        """How many jobs' windows `run_many` takes as one (the widest prepared job width)."""
+        return max(self._job_widths, default=1)
+
     def prepare(self) -> int:
         """Find the layers whose pieces run gathered and, on CUDA, capture every (layer,
         bucket), largest buckets first (their private memory is then reused by the smaller
         ones); returns the number of graphs. Each capture follows an eager warm-up with zeroed
         inputs, which adds exactly zero to the job's gradients. Call between iterations."""
+        return self._capture(self.template, self._graphs, find_eager=True)
+
+    def prepare_width(self, width: int, template: SequenceBackward) -> int:
+        """The pieces of `width` jobs' windows as one: `template` is a `SequenceBackward` of
+        the plan like `self.template` (its own gradient buffers, which it does not use); its
+        LoRA math reads adapters staged side by side. Captured on CUDA like `prepare`'s (call
+        it after `prepare`, between iterations); returns the number of graphs."""
+        if width not in JOB_WIDTHS or width in self._job_widths:
+            raise ValueError(f"job width {width}: one of {JOB_WIDTHS}, once")
+        if template.store.lora_dropout > 0:
+            raise ValueError("adapters with dropout run their windows one job at a time")
+        modules = {target: template.lora_parts(0, target)[0] for target in template.graph.bypass}
+        first = next(iter(modules.values()))
+        template.staged = StagedLoRA(
+            width, template.lora_parts(0, next(iter(modules)))[1],
+            {target: (m.in_features, m.out_features) for target, m in modules.items()},
+            self.buffers.max_rows, first.lora_a.dtype, self.buffers.device)
+        graphs: dict[tuple[int, int], _Graphs] = {}
+        count = self._capture(template, graphs, find_eager=False)
+        if not self.capture_failed:
+            self._job_widths[width] = _Width(template, graphs)
+        return count
+
+    def _capture(self, template: SequenceBackward, graphs: dict[tuple[int, int], _Graphs],
+                 find_eager: bool) -> int:
         count = 0
         buckets = reversed(self.buckets) if self.use_graphs else self.buckets[:1]
         for bucket in buckets:
-            for layer in range(self.template.store.num_layers):
+            for layer in range(template.store.num_layers):
                 if layer in self._eager_layers:
                     continue
                 try:
                     self.buffers.clear()
-                    self._pieces(layer, bucket, eager=True)
+                    self._pieces(template, layer, bucket, eager=True)
                 except WindowUnsupported as e:
+                    if not find_eager:
+                        raise
                     logger.info("backward windows of layer %d run eagerly: %s", layer, e)
                     self._eager_layers.add(layer)
                     continue
@@ -198,16 +254,17 @@ class BackwardGraphs:
                 top = torch.cuda.CUDAGraph()
                 bottom = torch.cuda.CUDAGraph() if self._has_bottom(layer) else None
                 try:
-                    self._pieces(layer, bucket, eager=False, graphs=(top, bottom))
+                    self._pieces(template, layer, bucket, eager=False, graphs=(top, bottom))
                 except CaptureFailed as e:
                     # The same pieces run eagerly, padded to their buckets.
                     logger.warning("backward windows run without CUDA graphs: %s", e)
                     self._graphs.clear()
+                    self._job_widths.clear()
                     self.use_graphs = False
                     self.capture_failed = True  # its pool takes no more captures
                     self.buffers.clear()
                     return 0
-                self._graphs[(layer, bucket)] = _Graphs(top, bottom)
+                graphs[(layer, bucket)] = _Graphs(top, bottom)
                 count += 1 + (bottom is not None)
         self.buffers.clear()
         return count
@@ -217,15 +274,32 @@ class BackwardGraphs:
         self.run_many(layer, [(owner, start, end)])
 
     def run_many(self, layer: int, windows: list[tuple[SequenceBackward, int, int]]) -> None:
-        """Backward windows (owner, start, end) of `layer` of several of the job's sequences as
-        one: their rows stacked, the pieces' row-wise work (MLP, projections, norms, rope and
-        every GEMM with the frozen weights) run once over all of them, the attention of each
-        window on its own sequence; the LoRA gradients add up over the rows as over the windows
-        one by one. Every window must be one `runs` accepts, their rows together one bucket."""
+        """Backward windows (owner, start, end) of `layer` of several sequences as one: their
+        rows stacked, the pieces' row-wise work (MLP, projections, norms, rope and every GEMM
+        with the frozen weights) run once over all of them, the attention of each window on its
+        own sequence; the LoRA gradients add up over the rows as over the windows one by one.
+        Windows of one job run on the staging slot; of several jobs (at most `max_jobs`, each
+        in its own LoRA slot), on their adapters staged side by side, each job's gradients its
+        own rows' sums. Every window must be one `runs` accepts, their rows together one
+        bucket."""
         total = sum(end - start for _, start, end in windows)
         bucket, b = self.bucket(total), self.buffers
-        owner = windows[0][0]
-        self._stage_weights(owner, layer)
+        owners = {}  # LoRA slot (the job) -> its first window's sequence, in window order
+        for owner, _, _ in windows:
+            owners.setdefault(owner.lora_slot, owner)
+        staged = None
+        if len(owners) == 1:
+            template, graphs = self.template, self._graphs
+            self._stage_weights(windows[0][0], layer)
+        else:
+            width = min(w for w in self._job_widths if w >= len(owners))
+            template, graphs = self._job_widths[width].template, self._job_widths[width].graphs
+            staged = template.staged
+            slots = list(owners)
+            staged.stage({target: template.lora_parts(layer, target)[0]
+                          for target in template.graph.bypass}, slots)
+            staged.load_rows([(slots.index(owner.lora_slot), end - start)
+                              for owner, start, end in windows], bucket)
         b.load_windows([(owner.store.arena_base + start, start, owner.residual_grad[start:end])
                         for owner, start, end in windows], bucket)
 
@@ -236,18 +310,23 @@ class BackwardGraphs:
                 offset += end - start
 
         if self.use_graphs:
-            graphs = self._graphs[(layer, bucket)]
-            graphs.top.replay()
+            pieces = graphs[(layer, bucket)]
+            pieces.top.replay()
             attend()
-            if graphs.bottom is not None:
-                graphs.bottom.replay()
+            if pieces.bottom is not None:
+                pieces.bottom.replay()
         else:
-            self._pieces(layer, bucket, eager=True, between=attend)
+            self._pieces(template, layer, bucket, eager=True, between=attend)
         offset = 0
         for seq, start, end in windows:
             seq.residual_grad[start:end].copy_(b.rows[offset:offset + end - start])
             offset += end - start
-        self._unstage_gradients(owner, layer)
+        if staged is None:
+            self._unstage_gradients(windows[0][0], layer)
+        else:
+            staged.unstage([{target: owner.lora_parts(layer, target)[2:]
+                             for target in template.graph.bypass}
+                            for owner in owners.values()])
 
     def _stage_weights(self, owner: SequenceBackward, layer: int) -> None:
         """The layer's LoRA weights and scaling of `owner`'s job into the staging slot, which
@@ -290,23 +369,28 @@ class BackwardGraphs:
         for name, value in owner.attention_gradients(layer, start, end, grad).items():
             b.load_gradient(name, value, offset, total)
 
-    def _pieces(self, layer: int, bucket: int, eager: bool,
+    def _pieces(self, template: SequenceBackward, layer: int, bucket: int, eager: bool,
                 graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None] | None = None,
                 between: Any = None) -> None:
-        """The two pieces of (layer, bucket): run (`eager`) or captured into `graphs`;
-        `between` runs between them (the eager attention)."""
-        template, b = self.template, self.buffers
+        """The two pieces of (layer, bucket) of `template`: run (`eager`) or captured into
+        `graphs`; `between` runs between them (the eager attention)."""
+        b = self.buffers
         rows = b.rows[:bucket]
         out = self._attention.outputs[0]
         attn_grad = b.grad(out, self._widths[out])[:bucket]
         statics = {name: b.grad(name, self._widths[name])[:bucket]
                    for name in self._attention.inputs}
+        staged = template.staged
+        has_bottom = self._has_bottom(layer)
         # Everything the graphs read is made inside them (the window's rotary angles and
         # gathered rows) or is static: a tensor made outside a capture and dropped after it
         # would be memory the graph reads but nobody owns.
         state: dict[str, Any] = {}
         with torch.no_grad():
             def top() -> None:
+                if staged is not None:
+                    for target in template.graph.bypass:
+                        staged.sanitize(target)
                 win = _Window(template, layer, 0, bucket, rows=b.index[:bucket],
                               positions=b.positions[:bucket], arena=self.arena)
                 grads = template.window_gradients(layer, rows)
@@ -317,6 +401,9 @@ class BackwardGraphs:
                     attn_grad.zero_()
                 else:
                     attn_grad.copy_(grad)
+                if staged is not None and not has_bottom:
+                    staged.mark_nonfinite(rows)
+                    staged.mark_nonfinite(attn_grad)
 
             def bottom() -> None:
                 win, grads = state["win"], state["grads"]
@@ -326,6 +413,8 @@ class BackwardGraphs:
                     grads.give(name, static)
                 template.walk(win, grads, self._bottom_ops, rows)
                 template.finish_window(grads, rows)
+                if staged is not None and has_bottom:
+                    staged.mark_nonfinite(rows)
 
             if eager:
                 top()

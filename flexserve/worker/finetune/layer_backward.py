@@ -79,6 +79,7 @@ from flexserve.worker.finetune.backward_ops import (
     split_bf16,
     window_attention,
 )
+from flexserve.worker.finetune.staged_lora import StagedLoRA
 from flexserve_kernels.dispatch import use_triton
 
 # On an H200 (Llama-3.1-8B down_proj, r=16; docs/benchmarks.md) one layer's LoRA
@@ -256,6 +257,11 @@ class SequenceBackward:
                                          f"{lora_grad_name(layer, target, half)}")
                     pair.append(grad)
                 self._lora[(layer, target)] = (module, rank, pair[0], pair[1])
+        # The rank-r shrinks of the adapters (LoRA A's outputs)
+        self._shrinks = {op.outputs[0] for op in self.graph.ops if op.kind == "lora_a"}
+        # Set on a template of several jobs' windows (`BackwardGraphs`): the LoRA math reads
+        # their staged adapters and routes each row to its own (`StagedLoRA`).
+        self.staged: StagedLoRA | None = None
         self.layer = len(layers) - 1  # the layer the next backward window belongs to
         self.window_end = num_tokens  # where the next backward window ends
         # Windows `graphs.runs` accepts go through `graphs.run` (`BackwardGraphs`: the layer's
@@ -365,6 +371,17 @@ class SequenceBackward:
         layer."""
         return self._lora[(layer, target)]
 
+    def lora_weights(self, layer: int, target: str) -> tuple[torch.Tensor, ...]:
+        """(A [R, in], B [out, R], scaling (a scalar, or [R] per column), dA, dB) the LoRA math
+        of a target reads: the slot's rank-r adapter, or every staged job's side by side."""
+        st = self.staged
+        if st is not None:
+            return st.a[target], st.b[target], st.scale[target], st.grad_a[target], \
+                st.grad_b[target]
+        module, rank, grad_a, grad_b = self._lora[(layer, target)]
+        return (module.lora_a[self.lora_slot, :rank], module.lora_b[self.lora_slot, :, :rank],
+                module.scaling[self.lora_slot], grad_a, grad_b)
+
     def needs_gradient(self, layer: int, name: str) -> bool:
         """Whether a window of `layer` needs dL/d`name` (else its producer's backward is skipped)."""
         return self._needed[layer > 0].get(name, False)
@@ -415,16 +432,18 @@ class SequenceBackward:
         elif kind == "lora_a" and win.lora_kernels:
             self._lora_a_fused(win, op, grad, grads)
         elif kind == "lora_b":
-            module, rank, _, grad_b = self._lora[(win.layer, op.name.split(".")[0])]
-            scaling = module.scaling[self.lora_slot]
+            _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
             grad = grad.float()
+            if self.staged is not None:  # it sums over every job's rows
+                grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
             grad_b.add_((grad.T @ win.act(name).float()) * scaling)
             if needed[name]:
-                give(name, (grad @ module.lora_b[self.lora_slot, :, :rank].float()) * scaling,
-                     fresh=True)
+                ds = (grad @ lora_b.float()) * scaling
+                give(name, ds if self.staged is None else self.staged.keep(ds), fresh=True)
         elif kind == "lora_a":
-            module, rank, grad_a, _ = self._lora[(win.layer, op.name.split(".")[0])]
-            lora_a, act = module.lora_a[self.lora_slot, :rank], win.act(name)
+            lora_a, _, _, grad_a, _ = self.lora_weights(win.layer, op.name.split(".")[0])
+            act = win.act(name) if self.staged is None else win.finite_act(name)
+            rank = lora_a.shape[0]
             if win.wide_lora_gemms and act.dtype == lora_a.dtype == torch.bfloat16:  # both paths
                 split = split_bf16(grad.float())  # [n, 2 * rank]
                 pair = mm_fp32(split.T, act)
@@ -559,6 +578,14 @@ class _Window:
             self._acts[name] = self._load(name)
         return self._acts[name]
 
+    def finite_act(self, name: str) -> torch.Tensor:
+        """`act(name)` with non-finite values as zero (the staged LoRA's weight-gradient sums
+        read it: another job's rows must add exact zeros)."""
+        key = name + "#finite"
+        if key not in self._acts:
+            self._acts[key] = torch.nan_to_num(self.act(name), nan=0.0, posinf=0.0, neginf=0.0)
+        return self._acts[key]
+
     def dropout_mask(self, target: str) -> torch.Tensor:
         if self.rows is not None:
             raise WindowUnsupported("a gathered window has no dropout masks")
@@ -568,6 +595,7 @@ class _Window:
         """Drop the loaded or rematerialized tensors `names` (and the attention graph)."""
         for name in names:
             self._acts.pop(name, None)
+            self._acts.pop(name + "#finite", None)
         if attention:
             self._attention = None
 
@@ -603,9 +631,12 @@ class _Window:
     def _compute(self, name: str) -> torch.Tensor:
         owner, store, layer = self.owner, self.owner.store, self.layer
         if name in store.stored_names[layer]:
-            if self.rows is not None:
-                return self.arena.get(layer, name).index_select(0, self.rows)
-            return store.read(layer, name, self.start, self.end)
+            if self.rows is None:
+                return store.read(layer, name, self.start, self.end)
+            value = self.arena.get(layer, name).index_select(0, self.rows)
+            if owner.staged is not None and name in owner._shrinks:
+                return owner.staged.expand(value)  # each row's shrink in its job's block
+            return value
         if name in store.kv_cache_names and self.rows is not None:
             raise WindowUnsupported(f"a gathered window cannot read {name} from the KV cache")
         if name in store.kv_cache_names:  # "k" or "v_out"
@@ -638,16 +669,14 @@ class _Window:
                 return keep
             return apply_lora_dropout(x, keep, store.lora_dropout)
         if op.kind == "lora_a":
-            _, rank, _, _ = owner._lora[(layer, target)]
-            module = owner.linear(layer, target)
-            if self.wide_lora_gemms:
-                return mm_fp32(x, module.lora_a[owner.lora_slot, :rank].T)
-            return x.float() @ module.lora_a[owner.lora_slot, :rank].float().T
+            lora_a = owner.lora_weights(layer, target)[0]
+            s = mm_fp32(x, lora_a.T) if self.wide_lora_gemms else x.float() @ lora_a.float().T
+            return s if owner.staged is None else owner.staged.keep(s)
         if op.kind == "lora_b":
-            _, rank, _, _ = owner._lora[(layer, target)]
-            module = owner.linear(layer, target)
-            b = module.lora_b[owner.lora_slot, :, :rank].float()
-            return ((x.float() @ b.T) * module.scaling[owner.lora_slot]).to(self.dtype)
+            _, lora_b, scaling, _, _ = owner.lora_weights(layer, target)
+            if owner.staged is not None:  # a scale per column
+                return ((x.float() * scaling) @ lora_b.float().T).to(self.dtype)
+            return ((x.float() @ lora_b.float().T) * scaling).to(self.dtype)
         if op.kind == "add":
             return x + self.act(op.inputs[1])
         if op.kind == "rope":

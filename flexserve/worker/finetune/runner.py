@@ -57,6 +57,7 @@ from flexserve.worker.finetune.backward_graphs import (
     BackwardBuffers,
     BackwardGraphs,
     backward_buckets,
+    job_width,
 )
 from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
@@ -261,7 +262,8 @@ class FinetuneRunner:
         self._backward_cache: dict[tuple, BackwardGraphs] = {}
         self._backward_buffers: BackwardBuffers | None = None
         # by how they ran (tests, metrics); "together": those run with others as one
-        self.num_backward_windows = {"graphs": 0, "eager": 0, "together": 0}
+        # "across_jobs": those run as one with windows of other jobs
+        self.num_backward_windows = {"graphs": 0, "eager": 0, "together": 0, "across_jobs": 0}
         self._backward_pool: Any = None
 
     def inject_fault(self, job_id: str, kind: str) -> None:
@@ -325,7 +327,31 @@ class FinetuneRunner:
                 if graphs is None:
                     graphs = self._backward_cache[key] = self._backward_graphs(job)
                 job.backward_graphs = graphs
+                self._widen_backward_graphs(graphs, job)
         return job.plan
+
+    def _widen_backward_graphs(self, graphs: BackwardGraphs, job: _Job) -> None:
+        """Where this job makes more running jobs of its plan than `graphs` takes at once, the
+        pieces of the next job width (their windows then run as one, `BackwardGraphs.run_many`):
+        captured once per plan and width, like the plan's own."""
+        sharing = sum(other.backward_graphs is graphs for other in self.jobs.values())
+        width = job_width(sharing) if sharing > 1 else None
+        if width is None or width <= graphs.max_jobs or job.dropout > 0 or graphs.capture_failed:
+            return
+        t0 = time.perf_counter()
+        count = graphs.prepare_width(width, self._template(job))
+        logger.info("fine-tuning job %s: %d jobs of its plan run; backward-window pieces for "
+                    "%d jobs' windows at once (%d graphs) captured in %.1f s", job.spec.job_id,
+                    sharing, width, count, time.perf_counter() - t0)
+
+    def _template(self, job: _Job) -> SequenceBackward:
+        """A `SequenceBackward` of the job's plan on the staging slot, with gradient buffers of
+        its own: what captured backward pieces run."""
+        store = ActivationStore(job.graph, job.layer_plans.plans,
+                                len(self.model.model.layers), 1, self.dtype, self.device)
+        grads = {name: torch.zeros_like(grad) for name, grad in job.optimizer.grads.items()}
+        return SequenceBackward(self.model, store, 1, [0], self.block_size,
+                                self.lora_manager.staging_slot, grads)
 
     def _backward_graphs(self, job: _Job) -> BackwardGraphs:
         """The job's backward windows as pieces around attention (`BackwardGraphs`), captured
@@ -336,17 +362,10 @@ class FinetuneRunner:
                                                      self.device)
             if self.device.type == "cuda":
                 self._backward_pool = torch.cuda.graph_pool_handle()
-        num_layers = len(self.model.model.layers)
-        template_store = ActivationStore(job.graph, job.layer_plans.plans, num_layers, 1,
-                                         self.dtype, self.device)
         # The graphs read the staging slot and add into gradient buffers of their own; each
         # window's job has its layer's weights copied in before and the gradients added into
         # its own after (`BackwardGraphs.run_many`).
-        staged_grads = {name: torch.zeros_like(grad)
-                        for name, grad in job.optimizer.grads.items()}
-        template = SequenceBackward(self.model, template_store, 1, [0], self.block_size,
-                                    self.lora_manager.staging_slot, staged_grads)
-        graphs = BackwardGraphs(template, self.arena, self._backward_buffers,
+        graphs = BackwardGraphs(self._template(job), self.arena, self._backward_buffers,
                                 self._backward_pool)
         t0 = time.perf_counter()
         count = graphs.prepare()
@@ -613,12 +632,16 @@ class FinetuneRunner:
             if seq is not None and seq.backward is not None and job_id not in errors:
                 seq.backward.residual_grad.mul_(factor)
         for group in self._backward_groups(windows, errors):
-            job_id = group[0][0].job_id
-            if job_id in errors:
+            group = [(w, seq) for w, seq in group if w.job_id not in errors]
+            job_ids = list(dict.fromkeys(w.job_id for w, _ in group))
+            for job_id in job_ids:
+                if self._take_fault(job_id, ("oom",)):
+                    self._fail(job_id, torch.cuda.OutOfMemoryError(
+                        "out of memory (injected fault)"), errors, "a backward window")
+            group = [(w, seq) for w, seq in group if w.job_id not in errors]
+            if not group:
                 continue
             try:
-                if self._take_fault(job_id, ("oom",)):
-                    raise torch.cuda.OutOfMemoryError("out of memory (injected fault)")
                 if len(group) == 1:
                     window, seq = group[0]
                     graphed = seq.backward.backward_window(window.layer, window.start,
@@ -626,21 +649,30 @@ class FinetuneRunner:
                     self.num_backward_windows["graphs" if graphed else "eager"] += 1
                 else:
                     self._backward_together(group)
+            except Exception as e:  # the group's jobs' failure (OOM included), not the engine's
+                # Windows of several jobs ran as one: which one failed is unknown, and each
+                # one's state is partly updated.
+                for job_id in job_ids:
+                    if job_id not in errors:
+                        self._fail(job_id, e, errors, "a backward window")
+                continue
+            for job_id in job_ids:
                 if self._take_fault(job_id, ("nan_grad",)):
                     for grad in self.jobs[job_id].optimizer.grads.values():
                         grad.fill_(float("nan"))
-            except Exception as e:  # this job's failure (OOM included), never the engine's
-                self._fail(job_id, e, errors, "a backward window")
         self._count_bytes()
 
     def _backward_groups(self, windows: list[BackwardWindow], errors: dict[str, str]
                          ) -> list[list[tuple[BackwardWindow, _Sequence]]]:
-        """The plan's backward windows in order, consecutive windows of one job and layer on
-        distinct sequences grouped (their rows together within the job's largest graph
-        bucket), so they run as one (`BackwardGraphs.run_many`); a sequence's windows keep
-        their order (a second window of a sequence starts a new group)."""
+        """The plan's backward windows in order, consecutive windows of one layer on distinct
+        sequences whose jobs share backward pieces grouped (their rows together within the
+        largest graph bucket, their jobs at most `BackwardGraphs.max_jobs`), so they run as one
+        (`BackwardGraphs.run_many`); a sequence's windows keep their order (a second window of
+        a sequence starts a new group)."""
         groups: list[list[tuple[BackwardWindow, _Sequence]]] = []
-        open_key, open_rows, open_ids = None, 0, set()  # the group windows may still join
+        open_key, open_rows = None, 0  # the group windows may still join
+        open_ids: set[tuple[str, int]] = set()
+        open_jobs: set[str] = set()
         for window in windows:
             seq = self._sequence(window.job_id, window.sequence_id)
             if seq is None or window.job_id in errors:
@@ -652,19 +684,23 @@ class FinetuneRunner:
                 open_key = None
                 continue
             key = (id(graphs), window.layer)
-            if (key == open_key and window.sequence_id not in open_ids
-                    and open_rows + n <= graphs.buckets[-1]):
+            ident = (window.job_id, window.sequence_id)
+            if (key == open_key and ident not in open_ids
+                    and open_rows + n <= graphs.buckets[-1]
+                    and len(open_jobs | {window.job_id}) <= graphs.max_jobs):
                 groups[-1].append((window, seq))
                 open_rows += n
             else:
                 groups.append([(window, seq)])
                 open_key, open_rows = key, n
-                open_ids = set()
-            open_ids.add(window.sequence_id)
+                open_ids, open_jobs = set(), set()
+            open_ids.add(ident)
+            open_jobs.add(window.job_id)
         return groups
 
     def _backward_together(self, group: list[tuple[BackwardWindow, _Sequence]]) -> None:
-        """Windows of one job and layer on several sequences, as one window of their rows."""
+        """Windows of one layer on several sequences (of one job or several), as one window of
+        their rows."""
         layer = group[0][0].layer
         for window, seq in group:
             seq.backward.begin_window(layer, window.start, window.end)
@@ -675,6 +711,8 @@ class FinetuneRunner:
             seq.backward.end_window(layer, window.start)
         self.num_backward_windows["graphs"] += len(group)  # the pieces (CUDA graphs on CUDA)
         self.num_backward_windows["together"] += len(group)
+        if len({window.job_id for window, _ in group}) > 1:
+            self.num_backward_windows["across_jobs"] += len(group)
 
     def optimizer_steps(self, job_ids: list[str], grad_norms: dict[str, float],
                         errors: dict[str, str], later: bool = False) -> Callable[[], None] | None:

@@ -1,0 +1,151 @@
+"""Backward windows of several fine-tuning jobs run as one (MuxTune's batched backward): the
+frozen GEMMs of a layer once over every job's rows, each row's LoRA math on its own job's
+adapter (`StagedLoRA`), each job's gradients the sums over its own rows.
+
+On the CPU the pieces run eagerly, padded to their buckets, as the CUDA graphs replay them; a
+tiny Llama in fp32 trains three jobs of one plan together (their windows grouped, as the engine
+groups the jobs of one plan on CUDA) and each must train what it trains alone."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from flexserve.finetune.data import TrainingData, TrainingExample
+from flexserve.finetune.hyperparameters import Hyperparameters
+from flexserve.worker.finetune.backward_graphs import job_width
+from flexserve.worker.finetune.staged_lora import StagedLoRA
+from test_mixed_graphs import _llm, _setup
+
+from _hf_training import save_random_peft_adapter
+
+
+def test_job_widths():
+    assert [job_width(n) for n in (2, 3, 4, 5, 8)] == [2, 4, 4, 8, 8]
+    assert job_width(9) is None
+
+
+def test_staged_rows_keep_their_own_block():
+    rank, rows = 2, 5
+    st = StagedLoRA(4, rank, {"q_proj": (3, 4)}, 8, torch.float32, torch.device("cpu"))
+    st.load_rows([(1, 2), (0, 3)], 8)  # rows 0-1: block 1, rows 2-4: block 0, 5-7: padding
+    wide = torch.arange(8 * 8, dtype=torch.float32).view(8, 8)
+    wide[0, 0] = float("nan")  # another block's value of row 0: gone exactly
+    kept = st.keep(wide)
+    assert torch.equal(kept[0], torch.tensor([0, 0, 2, 3, 0, 0, 0, 0.]))
+    assert torch.equal(kept[3], torch.tensor([24, 25, 0, 0, 0, 0, 0, 0.]))
+    assert not kept[5:].any()
+    s = torch.ones(rows, rank)
+    assert torch.equal(st.expand(s)[:rows].sum(dim=1), torch.full((rows,), 2.0))
+    bad = torch.zeros(8, 3)
+    bad[3, 1] = float("inf")  # a row of block 0
+    st.mark_nonfinite(bad)
+    assert st.poison[0].isnan() and not st.poison[1:].isnan().any()
+    grads = [{"q_proj": (torch.zeros(rank, 3), torch.zeros(4, rank))} for _ in range(2)]
+    st.grad_a["q_proj"].fill_(1.0)
+    st.unstage(grads)
+    assert grads[0]["q_proj"][0].isnan().sum() == 1  # the marked job fails its step
+    assert torch.equal(grads[1]["q_proj"][0], torch.ones(rank, 3))
+    assert not st.grad_a["q_proj"].any() and not st.poison.any()
+
+
+def _short(examples):
+    """The examples cut to 7-14 tokens: three jobs' windows of a layer fit one 64-row bucket."""
+    cut = [TrainingExample(e.line_number, e.input_ids[:n], e.loss_mask[:n])
+           for e, n in zip(examples, (9, 14, 7, 12))]
+    return TrainingData("text", cut, [], sum(len(e.input_ids) for e in cut),
+                        sum(sum(e.loss_mask) for e in cut))
+
+
+def _engine(model_dir):
+    # A budget that takes a bin's forward in one iteration: its sequences then run their
+    # backward in lockstep, every layer's windows of all jobs in one plan.
+    return _llm(model_dir, graphs=True, max_num_batched_tokens=256).engine
+
+
+def _jobs(tmp_path, model_dir, hp, count):
+    """`count` jobs of one plan that differ: their initial adapters and learning rates."""
+    out = []
+    for i in range(count):
+        adapter = save_random_peft_adapter(model_dir, tmp_path / f"init{i}", hp.lora.target_modules,
+                                           torch.Generator().manual_seed(10 + i), 0.1)
+        job_hp = Hyperparameters.from_dict({**hp.to_dict(), "learning_rate": 1e-3 * (i + 1)})
+        out.append((adapter, job_hp))
+    return out
+
+
+def _train(engine, data, jobs, tmp_path, tag, group=True, fail=None):
+    states = [engine.add_finetune_job(data, hp, init_adapter_path=adapter) for adapter, hp in jobs]
+    if group:  # as the engine groups the jobs of one plan on CUDA
+        for state in states:
+            state.window_group = ("plan",)
+    if fail is not None:
+        # Its rows go non-finite in its first backward windows, which run with the other's.
+        runner = engine.executor.finetune_runner
+        run_backward, bad = runner.run_backward, states[fail].job_id
+
+        def poisoned(windows, errors, grad_scales=()):
+            if any(w.job_id == bad for w in windows) and not poisoned.done:
+                poisoned.done = True
+                for w in windows:
+                    if w.job_id == bad:
+                        runner._sequence(bad, w.sequence_id).backward.residual_grad.fill_(
+                            float("nan"))
+            return run_backward(windows, errors, grad_scales)
+
+        poisoned.done = False
+        runner.run_backward = poisoned
+    while not all(state.finished for state in states):
+        engine.step()
+    adapters = []
+    for i, state in enumerate(states):
+        if i == fail:
+            assert state.status.value == "failed"
+            adapters.append(None)
+            continue
+        assert state.status.value == "succeeded", state.error
+        path = str(tmp_path / f"{tag}-{i}")
+        engine.save_finetune_adapter(state.job_id, path)
+        adapters.append(load_file(f"{path}/adapter_model.safetensors"))
+    return adapters
+
+
+def _relative_change(adapter, alone, initial):
+    change = torch.cat([(alone[k] - initial[k]).flatten() for k in sorted(alone)])
+    diff = torch.cat([(adapter[k] - alone[k]).flatten() for k in sorted(alone)])
+    return float(diff.norm() / change.norm())
+
+
+def test_jobs_of_one_plan_run_their_backward_windows_as_one(tiny_config, tiny_checkpoint,
+                                                            tmp_path):
+    model_dir, _, examples, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    data = _short(examples)
+    jobs = _jobs(tmp_path, model_dir, hp, 3)
+    alone = [_train(_engine(model_dir), data, [job], tmp_path, f"alone{i}")[0]
+             for i, job in enumerate(jobs)]
+    engine = _engine(model_dir)
+    together = _train(engine, data, jobs, tmp_path, "together")
+    runner = engine.executor.finetune_runner
+    graphs = {id(job.backward_graphs) for job in runner.jobs.values()}
+    assert len(graphs) == 1
+    pieces = next(iter(runner.jobs.values())).backward_graphs
+    assert pieces.max_jobs == 4  # the third job's start prepared the 4-job width
+    assert runner.num_backward_windows["across_jobs"] > 0
+    for i, (adapter, (init, _)) in enumerate(zip(together, jobs)):
+        initial = load_file(f"{init}/adapter_model.safetensors")
+        # Another summation order of the same fp32 sums (rows of other jobs add exact zeros),
+        # which AdamW amplifies where a gradient is tiny: the bound of concurrent jobs.
+        assert _relative_change(adapter, alone[i], initial) <= 1e-4, i
+
+
+def test_a_job_that_goes_nan_leaves_the_others_it_ran_with_exact(tiny_config, tiny_checkpoint,
+                                                                tmp_path):
+    model_dir, _, examples, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    data = _short(examples)
+    jobs = _jobs(tmp_path, model_dir, hp, 2)
+    alone = _train(_engine(model_dir), data, jobs[1:], tmp_path, "alone")[0]
+    engine = _engine(model_dir)
+    _, survivor = _train(engine, data, jobs, tmp_path, "together", fail=0)
+    assert engine.executor.finetune_runner.num_backward_windows["across_jobs"] > 0
+    initial = load_file(f"{jobs[1][0]}/adapter_model.safetensors")
+    assert _relative_change(survivor, alone, initial) <= 1e-4
