@@ -8,6 +8,7 @@ groups the jobs of one plan on CUDA) and each must train what it trains alone.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -57,10 +58,14 @@ def _short(examples):
                         sum(sum(e.loss_mask) for e in cut))
 
 
-def _engine(model_dir):
+def _engine(model_dir, remat=False):
     # A budget that takes a bin's forward in one iteration: its sequences then run their
     # backward in lockstep, every layer's windows of all jobs in one plan.
-    return _llm(model_dir, graphs=True, max_num_batched_tokens=256).engine
+    engine = _llm(model_dir, graphs=True, max_num_batched_tokens=256).engine
+    if remat:  # a plan that rematerializes the LoRA shrinks and deltas instead of storing them
+        ft = engine.executor.config.finetune
+        ft.remat_threshold, ft.remat_chains = 1.0, True
+    return engine
 
 
 def _jobs(tmp_path, model_dir, hp, count):
@@ -116,14 +121,15 @@ def _relative_change(adapter, alone, initial):
     return float(diff.norm() / change.norm())
 
 
-def test_jobs_of_one_plan_run_their_backward_windows_as_one(tiny_config, tiny_checkpoint,
+@pytest.mark.parametrize("remat", [False, True], ids=["stored", "rematerialized"])
+def test_jobs_of_one_plan_run_their_backward_windows_as_one(remat, tiny_config, tiny_checkpoint,
                                                             tmp_path):
     model_dir, _, examples, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
     data = _short(examples)
     jobs = _jobs(tmp_path, model_dir, hp, 3)
-    alone = [_train(_engine(model_dir), data, [job], tmp_path, f"alone{i}")[0]
+    alone = [_train(_engine(model_dir, remat), data, [job], tmp_path, f"alone{i}")[0]
              for i, job in enumerate(jobs)]
-    engine = _engine(model_dir)
+    engine = _engine(model_dir, remat)
     together = _train(engine, data, jobs, tmp_path, "together")
     runner = engine.executor.finetune_runner
     graphs = {id(job.backward_graphs) for job in runner.jobs.values()}
