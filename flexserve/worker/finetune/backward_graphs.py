@@ -28,8 +28,8 @@ slot it runs. On CPU (tests) the same padded pieces run eagerly.
 
 Windows of several jobs of the plan run as one too (MuxTune's batched backward): `run_many`
 stacks their rows, stages the jobs' adapters side by side (`StagedLoRA`: each row's LoRA math on
-its own job's block) and replays the pieces of a job width (2, 4 or 8 jobs, captured with
-`prepare_width` once that many jobs of the plan run), so the frozen GEMMs of a layer run once
+its own job's block) and replays the pieces of a job width (up to 8 jobs, captured with
+`prepare_width` once a second job of the plan runs), so the frozen GEMMs of a layer run once
 over every job's rows.
 
 A layer whose pieces need what a gathered window cannot give (a tensor the plan leaves in the KV
@@ -61,8 +61,11 @@ logger = logging.getLogger(__name__)
 # eagerly. The graphs' private memory is the largest bucket's working set, shared by all.
 BACKWARD_GRAPH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Job widths of pieces that run several jobs' windows as one: the LoRA products are this many
-# rank blocks wide (a row keeps its own), so a width serves every smaller number of jobs.
-JOB_WIDTHS = (2, 4, 8)
+# rank blocks wide (a row keeps its own), so a width serves every smaller number of jobs. One
+# width, captured when a plan's second job starts: each capture of a plan's pieces takes seconds
+# (H200, Llama-3.1-8B, all projections: 3-4 s), and the wider LoRA products cost little next to
+# the frozen GEMMs (they read the same operands).
+JOB_WIDTHS = (8,)
 
 
 def job_width(num_jobs: int) -> int | None:
@@ -388,9 +391,10 @@ class BackwardGraphs:
         state: dict[str, Any] = {}
         with torch.no_grad():
             def top() -> None:
-                if staged is not None:
+                if staged is not None:  # what enters a window of several jobs
                     for target in template.graph.bypass:
                         staged.sanitize(target)
+                    staged.admit(rows, b.index[:bucket], self.arena.dump_row)
                 win = _Window(template, layer, 0, bucket, rows=b.index[:bucket],
                               positions=b.positions[:bucket], arena=self.arena)
                 grads = template.window_gradients(layer, rows)
@@ -410,6 +414,8 @@ class BackwardGraphs:
                 grads.drop(out)
                 win.release(template.dead_after(self._attention), attention=True)
                 for name, static in statics.items():
+                    if staged is not None:
+                        staged.admit(static)
                     grads.give(name, static)
                 template.walk(win, grads, self._bottom_ops, rows)
                 template.finish_window(grads, rows)

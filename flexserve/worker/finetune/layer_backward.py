@@ -434,16 +434,13 @@ class SequenceBackward:
         elif kind == "lora_b":
             _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
             grad = grad.float()
-            if self.staged is not None:  # it sums over every job's rows
-                grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
             grad_b.add_((grad.T @ win.act(name).float()) * scaling)
             if needed[name]:
                 ds = (grad @ lora_b.float()) * scaling
                 give(name, ds if self.staged is None else self.staged.keep(ds), fresh=True)
         elif kind == "lora_a":
             lora_a, _, _, grad_a, _ = self.lora_weights(win.layer, op.name.split(".")[0])
-            act = win.act(name) if self.staged is None else win.finite_act(name)
-            rank = lora_a.shape[0]
+            act, rank = win.act(name), lora_a.shape[0]
             if win.wide_lora_gemms and act.dtype == lora_a.dtype == torch.bfloat16:  # both paths
                 split = split_bf16(grad.float())  # [n, 2 * rank]
                 pair = mm_fp32(split.T, act)
@@ -578,14 +575,6 @@ class _Window:
             self._acts[name] = self._load(name)
         return self._acts[name]
 
-    def finite_act(self, name: str) -> torch.Tensor:
-        """`act(name)` with non-finite values as zero (the staged LoRA's weight-gradient sums
-        read it: another job's rows must add exact zeros)."""
-        key = name + "#finite"
-        if key not in self._acts:
-            self._acts[key] = torch.nan_to_num(self.act(name), nan=0.0, posinf=0.0, neginf=0.0)
-        return self._acts[key]
-
     def dropout_mask(self, target: str) -> torch.Tensor:
         if self.rows is not None:
             raise WindowUnsupported("a gathered window has no dropout masks")
@@ -595,7 +584,6 @@ class _Window:
         """Drop the loaded or rematerialized tensors `names` (and the attention graph)."""
         for name in names:
             self._acts.pop(name, None)
-            self._acts.pop(name + "#finite", None)
         if attention:
             self._attention = None
 

@@ -19,10 +19,13 @@ adapter's. The LoRA products are `width` times wider (rank-16 blocks of 8 jobs: 
 ~10% of an 8B layer's frozen dX FLOPs on all projections).
 
 Isolation: a job whose values went non-finite must not spread them through the weight-gradient
-sums, which add over every job's rows (0 * nan is nan). Here the staged weights, dY and x of
-those sums are taken with non-finite values as zero, and every job whose rows leave the window
-non-finite is marked: its gradients get a NaN at unstaging, so its optimizer step fails it, as
-it would have alone, and the others' sums stay exact.
+sums, which add over every job's rows (0 * nan is nan). Non-finite values can enter a window in
+four places, each checked as it enters (`admit`): the staged weights (taken with non-finite
+values as zero), the rows' output gradients and the attention gradients (a row with a
+non-finite value is zeroed) and the rows' stored activations (such a row reads the arena's dump
+row instead, written only by padding). The job of such a row is marked: its gradients get a NaN
+at unstaging, so its optimizer step fails it, as it would have alone, while the others' sums
+stay exact. A row whose values overflow inside the window marks its job too.
 """
 
 from __future__ import annotations
@@ -73,11 +76,23 @@ class StagedLoRA:
         torch.nan_to_num(self.a[target], nan=0.0, posinf=0.0, neginf=0.0, out=self.a[target])
         torch.nan_to_num(self.b[target], nan=0.0, posinf=0.0, neginf=0.0, out=self.b[target])
 
-    def mark_nonfinite(self, rows: torch.Tensor) -> None:
-        """Mark every job with a non-finite value in its rows of `rows` [n, ...]."""
+    def mark_nonfinite(self, rows: torch.Tensor) -> torch.Tensor:
+        """Mark every job with a non-finite value in its rows of `rows` [n, ...]; returns which
+        rows have one ([n] bool)."""
         bad = ~torch.isfinite(rows).all(dim=1)  # [n]
         hit = (self.row_block[:rows.shape[0], None] == self._blocks) & bad[:, None]  # [n, width]
         self.poison.add_(torch.where(hit.any(dim=0), float("nan"), 0.0))
+        return bad
+
+    def admit(self, rows: torch.Tensor, index: torch.Tensor | None = None,
+              dump_row: int = 0) -> None:
+        """Gradient rows entering the window (in place): a row with a non-finite value marks
+        its job and becomes zero, and its entry of the activations' gather `index` reads
+        `dump_row` instead."""
+        bad = self.mark_nonfinite(rows)
+        rows.masked_fill_(bad[:, None], 0.0)
+        if index is not None:
+            index.masked_fill_(bad, dump_row)
 
     # ----------------------------------------------------------------- around the pieces
     def load_rows(self, blocks: list[tuple[int, int]], bucket: int) -> None:
