@@ -141,6 +141,9 @@ def main() -> None:
     parser.add_argument("--finetune-job-memory-gib", type=float, default=None,
                         help="memory for the jobs' slots and training state [5%% of the GPU]")
     parser.add_argument("--finetune-packing-time-limit", type=float, default=0.05)
+    parser.add_argument("--batched-backward", action="store_true",
+                        help="run the backward windows of the jobs of one plan as one "
+                             "(--finetune-batched-backward)")
     harness.add_out_argument(parser)
     args = parser.parse_args()
     if args.tiny:
@@ -157,6 +160,7 @@ def main() -> None:
                "max_finetune_loras": args.max_finetune_loras,
                "job_memory_gib": args.finetune_job_memory_gib,
                "packing_time_limit_s": args.finetune_packing_time_limit,
+               "batched_backward": args.batched_backward,
                "max_model_len": args.max_len + 16, "slo_tpot_ms": None}
     if cuda:
         options.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_memory_utilization)

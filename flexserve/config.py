@@ -165,6 +165,9 @@ class FinetuneConfig:
     # stages together (`flexserve.finetune.packing`; it runs on the engine thread); 0: greedy only
     packing_time_limit_s: float = 0.05
     max_length_buckets: int = 4  # LobRA's length buckets of a round's sequences (1: none)
+    # Backward windows of several jobs of one plan as one (docs/finetuning.md, "Backward windows
+    # of several jobs together"); off: each job's windows run on their own
+    batched_backward: bool = False
     # GiB for fine-tuning jobs: their LoRA slots and training state (fp32 adapter weights,
     # gradients, AdamW moments); a job waits queued while its state does not fit what running
     # jobs leave; None: 5% of the device's memory (host memory on the CPU)

@@ -62,6 +62,8 @@ def _engine(model_dir, remat=False):
     # A budget that takes a bin's forward in one iteration: its sequences then run their
     # backward in lockstep, every layer's windows of all jobs in one plan.
     engine = _llm(model_dir, graphs=True, max_num_batched_tokens=256).engine
+    engine.executor.config.finetune.batched_backward = True  # before the first job
+    engine.scheduler.finetune.lockstep_jobs = True
     if remat:  # a plan that rematerializes the LoRA shrinks and deltas instead of storing them
         ft = engine.executor.config.finetune
         ft.remat_threshold, ft.remat_chains = 1.0, True
@@ -155,3 +157,13 @@ def test_a_job_that_goes_nan_leaves_the_others_it_ran_with_exact(tiny_config, ti
     assert engine.executor.finetune_runner.num_backward_windows["across_jobs"] > 0
     initial = load_file(f"{jobs[1][0]}/adapter_model.safetensors")
     assert _relative_change(survivor, alone, initial) <= 1e-4
+
+
+def test_by_default_each_jobs_backward_windows_run_on_their_own(tiny_config, tiny_checkpoint,
+                                                                tmp_path):
+    model_dir, _, examples, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    engine = _llm(model_dir, graphs=True, max_num_batched_tokens=256).engine
+    _train(engine, _short(examples), _jobs(tmp_path, model_dir, hp, 2), tmp_path, "default")
+    runner = engine.executor.finetune_runner
+    assert runner.num_backward_windows["across_jobs"] == 0
+    assert all(job.backward_graphs.max_jobs == 1 for job in runner.jobs.values())

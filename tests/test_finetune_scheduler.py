@@ -536,6 +536,7 @@ def test_jobs_of_one_window_group_run_their_backward_in_lockstep():
     each other (the worker runs them as one); a job of another group keeps its own lockstep.
     Every job still finishes, each step covering exactly its batch."""
     ft = finetune_only()
+    ft.lockstep_jobs = True
     groups = {"a": (8, ("down_proj",)), "b": (8, ("down_proj",)), "c": (16, ("down_proj",))}
     for job_id, group in groups.items():
         state = job(job_id, [9, 7, 12], [[0, 1], [2]], pack_capacity=40)

@@ -190,7 +190,8 @@ def test_gpu_jobs_of_one_plan_run_their_backward_windows_as_one(tiny_config, tin
 
     def train(subset, tag):
         llm = LLM(model_dir, device="cuda", dtype="float32", enable_lora=True, max_lora_rank=8,
-                  max_model_len=64, max_num_batched_tokens=256, gpu_memory_utilization=0.3)
+                  max_model_len=64, max_num_batched_tokens=256, gpu_memory_utilization=0.3,
+                  batched_backward=True)
         engine = llm.engine
         states = [engine.add_finetune_job(data, job_hp, init_adapter_path=adapter)
                   for adapter, job_hp in subset]

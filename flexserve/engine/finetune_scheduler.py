@@ -273,13 +273,16 @@ class FinetuneScheduler:
 
     def __init__(self, kv_cache_manager, num_layers: int, max_finetune_len: int,
                  vocab_size: int | None = None, packing_time_limit_s: float = 0.05,
-                 max_length_buckets: int = 4) -> None:
+                 max_length_buckets: int = 4, lockstep_jobs: bool = False) -> None:
         self.kv = kv_cache_manager
         self.num_layers = num_layers
         self.max_finetune_len = max_finetune_len
         self.vocab_size = vocab_size  # for `collapsed_reason`; None: not checked
         self.packing_time_limit_s = packing_time_limit_s  # a round's MILPs'; 0: greedy only
         self.max_length_buckets = max_length_buckets  # LobRA's R
+        # The jobs of one window group go through their backward in lockstep together (the
+        # worker runs their windows of a layer as one: batched backward)
+        self.lockstep_jobs = lockstep_jobs
         self.jobs: dict[str, FinetuneJobState] = {}  # every job not yet removed, in start order
         self.default_picker = FirstStartedPicker()
         self._updates: list[FinetuneUpdate] = []
@@ -405,10 +408,12 @@ class FinetuneScheduler:
             return n, False, job
         # Sequences in their backward move in lockstep: the one furthest behind (highest layer,
         # then most of its layer left) goes next, so windows of one layer on several sequences
-        # follow each other in the plan and the worker runs them as one. Jobs of one window
-        # group (one plan: their backward pieces are shared) move in lockstep together, so the
-        # worker runs windows of several jobs as one too (MuxTune's batched backward).
-        jobs = [job] if group is None or job.in_reference_pass else [
+        # follow each other in the plan and the worker runs them as one. With `lockstep_jobs`,
+        # the jobs of one window group (one plan: their backward pieces are shared) move in
+        # lockstep together, so the worker runs windows of several jobs as one too (MuxTune's
+        # batched backward).
+        jobs = [job] if (group is None or job.in_reference_pass
+                         or not self.lockstep_jobs) else [
             j for j in self.jobs.values()
             if j.window_group == group and not j.finished and not j.in_reference_pass]
         order = {j.job_id: i for i, j in enumerate(jobs)}

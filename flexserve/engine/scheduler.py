@@ -90,7 +90,8 @@ class Scheduler:
         finetune_config = finetune_config or FinetuneConfig()
         self.finetune = FinetuneScheduler(
             self.kv_cache_manager, num_layers, max_finetune_len or max_model_len, vocab_size,
-            finetune_config.packing_time_limit_s, finetune_config.max_length_buckets)
+            finetune_config.packing_time_limit_s, finetune_config.max_length_buckets,
+            lockstep_jobs=finetune_config.batched_backward)
         # Sizes the fine-tuning windows (latency model, sharing policy) and keeps the fairness
         # counters of tenants and jobs (FlexLLM 6.2, appendices A and C).
         self.clock = clock

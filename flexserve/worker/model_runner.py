@@ -592,6 +592,7 @@ class ModelRunner:
                 self.lora_manager, ft.remat_threshold, ft.loss_chunk_rows, ft.remat_chains,
                 activation_budget_gib=ft.activation_budget_gib,
                 activation_offload=ft.activation_offload, max_finetune_len=max_finetune_len,
+                batched_backward=ft.batched_backward,
                 arena=self._arena, on_arena_cleared=self._drop_finetune_captures)
         return self.finetune_runner
 

@@ -151,6 +151,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="LoRA slots for fine-tuning jobs, beside the --max-loras serving "
                             "slots (one per running job) [half the job memory's worth, at most "
                             "32]")
+    group.add_argument("--finetune-batched-backward", action="store_true",
+                       help="run the backward windows of up to 8 jobs of one plan (LoRA rank, "
+                            "targets, no dropout) as one: the frozen GEMMs once over every job's "
+                            "rows (CUDA graphs; measured slower than each job's own windows on "
+                            "an H200, docs/benchmarks.md) [off]")
     group.add_argument("--finetune-packing-time-limit", type=float,
                        default=finetune.packing_time_limit_s, metavar="S",
                        help="time limit of the MILP packing of the running jobs' sequences into "
@@ -256,7 +261,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 activation_offload=args.finetune_activation_offload,
                                 job_memory_gib=args.finetune_job_memory_gib,
                                 packing_time_limit_s=args.finetune_packing_time_limit,
-                                max_length_buckets=args.finetune_length_buckets),
+                                max_length_buckets=args.finetune_length_buckets,
+                                batched_backward=args.finetune_batched_backward),
         coserve=CoserveConfig(
             policy=args.coserve_policy, slo_tpot_ms=args.slo_tpot_ms,
             slo_ttft_ms=args.slo_ttft_ms, slo_margin=args.slo_margin,

@@ -235,7 +235,8 @@ class FinetuneRunner:
                  activation_budget_gib: float | None = None,
                  max_finetune_len: int | None = None, activation_offload: bool = False,
                  arena: ActivationArena | None = None,
-                 on_arena_cleared: Callable[[], None] | None = None) -> None:
+                 on_arena_cleared: Callable[[], None] | None = None,
+                 batched_backward: bool = False) -> None:
         self.model = model
         self.hf_config = hf_config
         # activation memory CUDA graphs can write (mixed iterations); None: private stores only
@@ -251,6 +252,8 @@ class FinetuneRunner:
         self.activation_budget_gib = activation_budget_gib  # None: no budget
         self.activation_offload = activation_offload  # budget: layers to host memory first
         self.max_finetune_len = max_finetune_len  # None: each job's max_seq_len bounds its data
+        # run the backward windows of several jobs of a plan as one (`_widen_backward_graphs`)
+        self.batched_backward = batched_backward
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
         # This step's window losses on the device: (window, is a reference window, pending)
@@ -336,7 +339,8 @@ class FinetuneRunner:
         captured once per plan and width, like the plan's own."""
         sharing = sum(other.backward_graphs is graphs for other in self.jobs.values())
         width = job_width(sharing) if sharing > 1 else None
-        if width is None or width <= graphs.max_jobs or job.dropout > 0 or graphs.capture_failed:
+        if (not self.batched_backward or width is None or width <= graphs.max_jobs
+                or job.dropout > 0 or graphs.capture_failed):
             return
         t0 = time.perf_counter()
         count = graphs.prepare_width(width, self._template(job))
