@@ -307,28 +307,50 @@ def test_after_the_warm_up_a_dropout_job_compiles_nothing(tiny_dir):
     assert compiled == [], compiled
 
 
-def test_several_ranks_do_not_take_a_one_gpu_profile(monkeypatch, tmp_path):
-    """A saved profile times one GPU: an engine over several ranks sizes its windows from its
-    own measured iterations instead (an explicit --latency-profile is still honoured)."""
+def test_ranks_take_the_profile_of_their_tensor_parallel_size(monkeypatch, tmp_path):
+    """An engine over N tensor-parallel ranks takes the profile made at N ranks (its own path);
+    over pipeline stages none (an explicit --latency-profile is still honoured)."""
     import types
 
     from flexserve.config import CoserveConfig, ParallelConfig
     from flexserve.engine import llm_engine
 
-    def profile(*args):
-        raise AssertionError("a one-GPU profile was looked up for several ranks")
-
-    monkeypatch.setattr(llm_engine, "load_matching_profile", profile)
+    looked_up = []
+    monkeypatch.setattr(llm_engine, "load_matching_profile",
+                        lambda *args: looked_up.append(args) or None)
     info = ModelInfo(name="m", vocab_size=8, max_model_len=16, eos_token_id=None, num_blocks=4,
                      block_size=4, device="cuda:0", dtype="bfloat16", num_layers=2,
                      device_name="NVIDIA H200")
-    for parallel in (ParallelConfig(tensor_parallel_size=2), ParallelConfig(
-            pipeline_parallel_size=2)):
-        config = EngineConfig(parallel=parallel)
-        assert llm_engine.LLMEngine._load_latency_profile(config, info) is None
+    config = EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2))
+    assert llm_engine.LLMEngine._load_latency_profile(config, info) is None and not looked_up
+    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))
+    assert llm_engine.LLMEngine._load_latency_profile(config, info) is None
+    assert looked_up[-1][1:] == ("NVIDIA H200", "m", "bfloat16", 2)
+    assert profile_path("s", "NVIDIA H200", "m", "bfloat16", 2).endswith("__tp2.json")
+    assert profile_path("s", "NVIDIA H200", "m", "bfloat16", 1) != \
+        profile_path("s", "NVIDIA H200", "m", "bfloat16", 2)
     loaded, model = [], types.SimpleNamespace(metadata={})
     monkeypatch.setattr(LatencyModel, "load", lambda path: loaded.append(path) or model)
-    config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2),
+    config = EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2),
                           coserve=CoserveConfig(latency_profile=__file__))
     assert llm_engine.LLMEngine._load_latency_profile(config, info) is model
     assert loaded == [__file__]
+
+
+def test_cli_profile_at_two_tensor_parallel_ranks(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`flexserve profile --tensor-parallel-size 2` times the two ranks' iterations (gloo on the
+    CPU) and saves the profile where a two-rank engine looks for it, not where one GPU's is."""
+    from flexserve.entrypoints.cli.main import main
+
+    monkeypatch.setenv("FLEXSERVE_HOME", str(tmp_path / "home"))
+    state = tmp_path / "state"
+    assert main(["profile", "--quick", "--model", tiny_dir, "--max-model-len", "512",
+                 "--kv-cache-gib", "0.05", "--repeats", "1", "--warmup", "0", "--no-progress",
+                 "--state-dir", str(state), "--log-level", "warning",
+                 "--tensor-parallel-size", "2"]) == 0
+    path = profile_path(str(state), "cpu", tiny_dir, "float32", 2)
+    assert f"saved {path}" in capsys.readouterr().out
+    model = load_matching_profile(str(state), "cpu", tiny_dir, "float32", 2)
+    assert model is not None and model.metadata["tensor_parallel_size"] == 2
+    assert model.predict(IterationShape(decode_rows=4, decode_context=400)) > 0
+    assert load_matching_profile(str(state), "cpu", tiny_dir, "float32") is None

@@ -263,18 +263,23 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.").lower() or "none"
 
 
-def profile_path(state_dir: str, device_name: str, model_name: str, dtype: str) -> str:
-    """<state_dir>/profiles/<device>__<model>__<dtype>.json, each part sanitized ([A-Za-z0-9._-],
-    so a model directory's slashes become dashes)."""
+def profile_path(state_dir: str, device_name: str, model_name: str, dtype: str,
+                 tensor_parallel_size: int = 1) -> str:
+    """<state_dir>/profiles/<device>__<model>__<dtype>.json (<...>__tp<N>.json for N
+    tensor-parallel ranks), each part sanitized ([A-Za-z0-9._-], so a model directory's slashes
+    become dashes)."""
     name = "__".join(_slug(part) for part in (device_name, model_name, dtype))
+    if tensor_parallel_size > 1:
+        name += f"__tp{tensor_parallel_size}"
     return os.path.join(state_dir, "profiles", f"{name}.json")
 
 
 def load_matching_profile(state_dir: str, device_name: str, model_name: str,
-                          dtype: str) -> LatencyModel | None:
-    """The profile `flexserve profile` saved for this device, model and dtype, or None (also,
-    with a warning, when the file is unreadable or was made for something else)."""
-    path = profile_path(state_dir, device_name, model_name, dtype)
+                          dtype: str, tensor_parallel_size: int = 1) -> LatencyModel | None:
+    """The profile `flexserve profile` saved for this device, model, dtype and number of
+    tensor-parallel ranks, or None (also, with a warning, when the file is unreadable or was
+    made for something else)."""
+    path = profile_path(state_dir, device_name, model_name, dtype, tensor_parallel_size)
     if not os.path.exists(path):
         return None
     try:
@@ -282,8 +287,9 @@ def load_matching_profile(state_dir: str, device_name: str, model_name: str,
     except (OSError, ValueError) as e:
         logger.warning("ignoring latency profile %s: %s", path, e)
         return None
-    meta = model.metadata
-    expected = {"device_name": device_name, "model": model_name, "dtype": dtype}
+    meta = {"tensor_parallel_size": 1, **model.metadata}
+    expected = {"device_name": device_name, "model": model_name, "dtype": dtype,
+                "tensor_parallel_size": tensor_parallel_size}
     wrong = {k: meta.get(k) for k, v in expected.items() if meta.get(k) != v}
     if wrong:
         logger.warning("ignoring latency profile %s: made for %s, not %s", path, wrong, expected)

@@ -109,16 +109,17 @@ class LLMEngine:
         path = config.coserve.latency_profile
         if path is not None:
             model = LatencyModel.load(path)
-        elif config.parallel.world_size > 1:
-            # Saved profiles time one GPU (`flexserve profile`), not these ranks' iterations.
-            logger.info("%d ranks: no latency profile (profiles time one GPU); fine-tuning "
-                        "windows start small and grow from measured iterations",
-                        config.parallel.world_size)
+        elif config.parallel.pipeline_parallel_size > 1:
+            # Profiles time one stage's ranks (`flexserve profile`), not a pipeline's steps.
+            logger.info("%d pipeline stages: no latency profile; fine-tuning windows start "
+                        "small and grow from measured iterations",
+                        config.parallel.pipeline_parallel_size)
             return None
         else:
+            tp = config.parallel.tensor_parallel_size
             model = load_matching_profile(envs.home(), info.device_name, info.name,
-                                          info.dtype)
-            path = profile_path(envs.home(), info.device_name, info.name, info.dtype)
+                                          info.dtype, tp)
+            path = profile_path(envs.home(), info.device_name, info.name, info.dtype, tp)
         if model is None:
             logger.info("no latency profile at %s: fine-tuning windows start small and grow "
                         "from measured iterations (run `flexserve profile` to calibrate)", path)

@@ -233,9 +233,11 @@ def _plans_of(rows: list[ScheduledSequence], items: list[Any],
 def profile_executor(executor: Any, info: Any, grid: ProfileGrid, repeats: int = 3,
                      warmup: int = 1, progress: bool = True,
                      clock: Callable[[], float] = time.perf_counter,
-                     target_modules: list[str] | None = None, lora_dropout: float = 0.0) -> ProfileResult:
+                     target_modules: list[str] | None = None, lora_dropout: float = 0.0,
+                     max_lora_rank: int | None = None) -> ProfileResult:
     """Time the grid's iterations (and its held-out set) on `executor`, an idle `ModelRunner`
-    with LoRA enabled; `info` is its `ModelInfo`. Returns per-shape medians of `repeats` times
+    with LoRA enabled or the executor of tensor-parallel ranks (`max_lora_rank` given: its
+    slots' rank); `info` is its `ModelInfo`. Returns per-shape medians of `repeats` times
     after `warmup`; the profiling job is removed afterwards. `clock` times an iteration: wall
     time, which is what the engine observes (`time.thread_time` measures a single-threaded CPU
     executor without the other processes that share its cores). The profiling job trains a
@@ -249,9 +251,11 @@ def profile_executor(executor: Any, info: Any, grid: ProfileGrid, repeats: int =
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    if getattr(executor, "lora_manager", None) is None:
-        raise ValueError("profiling fine-tuning iterations needs LoRA slots: drop "
-                         "--no-enable-lora")
+    if max_lora_rank is None:
+        if getattr(executor, "lora_manager", None) is None:
+            raise ValueError("profiling fine-tuning iterations needs LoRA slots: drop "
+                             "--no-enable-lora")
+        max_lora_rank = executor.config.lora.max_lora_rank
     heldout_inference, heldout_finetune = grid.heldout_cases()
     _check_grid(grid.inference + heldout_inference, grid.finetune + heldout_finetune, info)
     began = time.perf_counter()
@@ -264,7 +268,7 @@ def profile_executor(executor: Any, info: Any, grid: ProfileGrid, repeats: int =
     for i, scenario in enumerate(scenarios):
         units.append((prof.scenario_rounds(i, scenario),
                       train if i < len(grid.finetune) else heldout))
-    rank = min(16, executor.config.lora.max_lora_rank)
+    rank = min(16, max_lora_rank)
     executor.add_finetune_job(
         job_id=PROFILE_JOB_ID, lora_slot=PROFILE_LORA_SLOT,
         hyperparameters=Hyperparameters(lora=LoRAHyperparameters(

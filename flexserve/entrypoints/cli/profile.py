@@ -4,7 +4,9 @@ Builds the engine's executor from the usual engine options (LoRA is switched on 
 asked for: fine-tuning iterations need a slot), runs the profiling grid with a progress bar
 (`flexserve.worker.profiler`), fits `LatencyModel` on the grid's iterations, prints its error on
 held-out random iterations, and saves the JSON where `flexserve serve` finds it for this device,
-model and dtype (`profile_path` in the state directory), or to `--out`.
+model, dtype and number of tensor-parallel ranks (`profile_path` in the state directory), or to
+`--out`. With `--tensor-parallel-size N` it times the ranks' iterations, collectives included,
+as a server with N ranks runs them.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ def profile(args: argparse.Namespace) -> int:
                          f"{args.warmup}")
     apply_state_dir(args)
     config = engine_config_from_args(args)
-    if config.parallel.world_size > 1:
-        raise ValueError("flexserve profile times one GPU's iterations: profile with "
-                         "--tensor-parallel-size 1 and --pipeline-parallel-size 1")
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError("flexserve profile times the iterations of one stage's ranks: profile "
+                         "with --pipeline-parallel-size 1")
+    tp = config.parallel.tensor_parallel_size
     if config.lora is None:
         config.lora = LoRAConfig(max_loras=1)  # the profiling job's adapter needs one slot
     config.finetune.warmup = False  # the profile's own warm-up round compiles the kernels
@@ -92,16 +95,18 @@ def profile(args: argparse.Namespace) -> int:
     if targets is not None:
         Hyperparameters.from_dict({"lora": {"target_modules": targets}})  # ValueError if unknown
     result = profile_executor(executor, info, grid, repeats=args.repeats, warmup=args.warmup,
-                              progress=not args.no_progress, target_modules=targets)
+                              progress=not args.no_progress, target_modules=targets,
+                              max_lora_rank=config.lora.max_lora_rank)
     metadata = {
         "device_name": device, "model": info.name, "dtype": info.dtype,
+        "tensor_parallel_size": tp,
         "finetune_target_modules": targets or "all",
         "num_layers": info.num_layers, "created": time.time(), "flexserve_version": __version__,
         "quick": args.quick, "repeats": args.repeats, "warmup": args.warmup,
         "grid": grid.to_dict(),
     }
     model = fit_profile(result, metadata)
-    path = args.out or profile_path(envs.home(), device, info.name, info.dtype)
+    path = args.out or profile_path(envs.home(), device, info.name, info.dtype, tp)
     model.save(path)
     fit, heldout = model.metadata["fit"], model.metadata["heldout"]
     print(f"profiled {result.num_iterations} iterations in {result.seconds:.1f} s: "
