@@ -508,16 +508,24 @@ def test_a_jobs_sequences_go_down_the_layers_in_lockstep():
     assert plans[1].optimizer_steps == ["a"]
 
 
-def test_forward_windows_of_one_plan_share_an_iteration_only_with_their_window_group():
-    """Jobs of another window group (another LoRA rank or targets: the worker's graph of an
-    iteration writes one plan's activations) never put forward windows in the same plan; the
-    jobs of one group do, and every job finishes."""
+def grouped_jobs(groups: dict[str, tuple], lockstep_jobs: bool = False) -> FinetuneScheduler:
+    """A fine-tuning-only scheduler with one three-example job per entry of `groups` (job id ->
+    its window group)."""
     ft = finetune_only()
-    groups = {"a": (8, ("down_proj",)), "b": (16, ("down_proj",)), "c": (8, ("down_proj",))}
+    ft.lockstep_jobs = lockstep_jobs
     for job_id, group in groups.items():
         state = job(job_id, [9, 7, 12], [[0, 1], [2]], pack_capacity=40)
         state.window_group = group
         ft.add_job(state)
+    return ft
+
+
+def test_forward_windows_of_one_plan_share_an_iteration_only_with_their_window_group():
+    """Jobs of another window group (another LoRA rank or targets: the worker's graph of an
+    iteration writes one plan's activations) never put forward windows in the same plan; the
+    jobs of one group do, and every job finishes."""
+    groups = {"a": (8, ("down_proj",)), "b": (16, ("down_proj",)), "c": (8, ("down_proj",))}
+    ft = grouped_jobs(groups)
     shared = 0
     for _ in range(300):
         if not ft.has_work():
@@ -535,13 +543,8 @@ def test_jobs_of_one_window_group_run_their_backward_in_lockstep():
     they share) move in lockstep: a plan's windows of one layer of every job's sequences follow
     each other (the worker runs them as one); a job of another group keeps its own lockstep.
     Every job still finishes, each step covering exactly its batch."""
-    ft = finetune_only()
-    ft.lockstep_jobs = True
     groups = {"a": (8, ("down_proj",)), "b": (8, ("down_proj",)), "c": (16, ("down_proj",))}
-    for job_id, group in groups.items():
-        state = job(job_id, [9, 7, 12], [[0, 1], [2]], pack_capacity=40)
-        state.window_group = group
-        ft.add_job(state)
+    ft = grouped_jobs(groups, lockstep_jobs=True)
     mixed_layers = 0
     for _ in range(300):
         if not ft.has_work():
@@ -551,8 +554,8 @@ def test_jobs_of_one_window_group_run_their_backward_in_lockstep():
         # Windows of a and b of one layer are next to each other: a layer of the group is one
         # run of consecutive windows.
         runs = [key for i, key in enumerate(windows)
-                if groups[key[0]] == groups["a"]
-                and (i == 0 or windows[i - 1][1] != key[1] or groups[windows[i - 1][0]] != groups["a"])]
+                if groups[key[0]] == groups["a"] and (i == 0 or windows[i - 1][1] != key[1]
+                                                      or groups[windows[i - 1][0]] != groups["a"])]
         layers = [layer for _, layer in runs]
         assert len(layers) == len(set(layers)), windows
         for layer in set(layers):
