@@ -27,27 +27,47 @@ def test_job_widths():
 
 
 def test_staged_rows_keep_their_own_block():
+    from flexserve.layers.lora_linear import LoRALinear
+
     rank, rows = 2, 5
     st = StagedLoRA(4, rank, {"q_proj": (3, 4)}, 8, torch.float32, torch.device("cpu"))
-    st.load_rows([(1, 2), (0, 3)], 8)  # rows 0-1: block 1, rows 2-4: block 0, 5-7: padding
+    # rows 0-1: block 1 (slot 2), rows 2-4: block 0 (slot 0), 5-7: padding
+    st.load([0, 2], [(1, 2), (0, 3)], 8)
+    assert st.slots.tolist() == [0, 2, 0, 0]  # spare blocks repeat the first slot
     wide = torch.arange(8 * 8, dtype=torch.float32).view(8, 8)
     wide[0, 0] = float("nan")  # another block's value of row 0: gone exactly
     kept = st.keep(wide)
     assert torch.equal(kept[0], torch.tensor([0, 0, 2, 3, 0, 0, 0, 0.]))
     assert torch.equal(kept[3], torch.tensor([24, 25, 0, 0, 0, 0, 0, 0.]))
     assert not kept[5:].any()
-    s = torch.ones(rows, rank)
-    assert torch.equal(st.expand(s)[:rows].sum(dim=1), torch.full((rows,), 2.0))
+    assert torch.equal(st.expand(torch.ones(rows, rank))[:rows].sum(dim=1),
+                       torch.full((rows,), 2.0))
+    linear = LoRALinear(torch.nn.Linear(3, 4, bias=False), max_loras=3, max_rank=4)
+    with torch.no_grad():
+        linear.lora_a.copy_(torch.randn(linear.lora_a.shape))
+        linear.lora_b.copy_(torch.randn(linear.lora_b.shape))
+        linear.scaling.copy_(torch.tensor([0.5, 1.0, 2.0]))
+        linear.lora_a[2, 0, 0] = float("inf")
+    st.gather({"q_proj": linear})
+    assert torch.equal(st.a["q_proj"][2:4, 1:], linear.lora_a[2, :rank, 1:])  # block 1: slot 2
+    assert st.a["q_proj"][2, 0] == 0  # non-finite: zero
+    assert torch.equal(st.b["q_proj"][:, :rank], linear.lora_b[0, :, :rank])
+    assert torch.equal(st.b["q_proj"][:, rank:2 * rank], linear.lora_b[2, :, :rank])
+    assert st.scale["q_proj"].tolist() == [0.5, 0.5, 2.0, 2.0, 0.5, 0.5, 0.5, 0.5]
     bad = torch.zeros(8, 3)
     bad[3, 1] = float("inf")  # a row of block 0
     st.mark_nonfinite(bad)
     assert st.poison[0].isnan() and not st.poison[1:].isnan().any()
-    grads = [{"q_proj": (torch.zeros(rank, 3), torch.zeros(4, rank))} for _ in range(2)]
     st.grad_a["q_proj"].fill_(1.0)
+    st.add_grad_b("q_proj", torch.arange(4 * 8, dtype=torch.float32).view(4, 8))
+    st.seal()
+    grads = [{"q_proj": (torch.zeros(rank, 3), torch.zeros(4, rank))} for _ in range(2)]
     st.unstage(grads)
     assert grads[0]["q_proj"][0].isnan().sum() == 1  # the marked job fails its step
     assert torch.equal(grads[1]["q_proj"][0], torch.ones(rank, 3))
-    assert not st.grad_a["q_proj"].any() and not st.poison.any()
+    assert torch.equal(grads[1]["q_proj"][1],
+                       torch.arange(4 * 8, dtype=torch.float32).view(4, 8)[:, rank:2 * rank])
+    assert not st.grad_a["q_proj"].any() and not st.grad_b_blocks["q_proj"].any()
 
 
 def _short(examples):

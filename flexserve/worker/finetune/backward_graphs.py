@@ -299,10 +299,8 @@ class BackwardGraphs:
             template, graphs = self._job_widths[width].template, self._job_widths[width].graphs
             staged = template.staged
             slots = list(owners)
-            staged.stage({target: template.lora_parts(layer, target)[0]
-                          for target in template.graph.bypass}, slots)
-            staged.load_rows([(slots.index(owner.lora_slot), end - start)
-                              for owner, start, end in windows], bucket)
+            staged.load(slots, [(slots.index(owner.lora_slot), end - start)
+                                for owner, start, end in windows], bucket)
         b.load_windows([(owner.store.arena_base + start, start, owner.residual_grad[start:end])
                         for owner, start, end in windows], bucket)
 
@@ -391,9 +389,9 @@ class BackwardGraphs:
         state: dict[str, Any] = {}
         with torch.no_grad():
             def top() -> None:
-                if staged is not None:  # what enters a window of several jobs
-                    for target in template.graph.bypass:
-                        staged.sanitize(target)
+                if staged is not None:  # the jobs' adapters, and what enters the window
+                    staged.gather({target: template.lora_parts(layer, target)[0]
+                                   for target in template.graph.bypass})
                     staged.admit(rows, b.index[:bucket], self.arena.dump_row)
                 win = _Window(template, layer, 0, bucket, rows=b.index[:bucket],
                               positions=b.positions[:bucket], arena=self.arena)
@@ -408,6 +406,7 @@ class BackwardGraphs:
                 if staged is not None and not has_bottom:
                     staged.mark_nonfinite(rows)
                     staged.mark_nonfinite(attn_grad)
+                    staged.seal()
 
             def bottom() -> None:
                 win, grads = state["win"], state["grads"]
@@ -421,6 +420,7 @@ class BackwardGraphs:
                 template.finish_window(grads, rows)
                 if staged is not None and has_bottom:
                     staged.mark_nonfinite(rows)
+                    staged.seal()
 
             if eager:
                 top()

@@ -375,9 +375,8 @@ class SequenceBackward:
         """(A [R, in], B [out, R], scaling (a scalar, or [R] per column), dA, dB) the LoRA math
         of a target reads: the slot's rank-r adapter, or every staged job's side by side."""
         st = self.staged
-        if st is not None:
-            return st.a[target], st.b[target], st.scale[target], st.grad_a[target], \
-                st.grad_b[target]
+        if st is not None:  # dB goes through `StagedLoRA.add_grad_b`
+            return st.a[target], st.b[target], st.scale[target], st.grad_a[target], None
         module, rank, grad_a, grad_b = self._lora[(layer, target)]
         return (module.lora_a[self.lora_slot, :rank], module.lora_b[self.lora_slot, :, :rank],
                 module.scaling[self.lora_slot], grad_a, grad_b)
@@ -434,7 +433,11 @@ class SequenceBackward:
         elif kind == "lora_b":
             _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
             grad = grad.float()
-            grad_b.add_((grad.T @ win.act(name).float()) * scaling)
+            product = (grad.T @ win.act(name).float()) * scaling
+            if self.staged is None:
+                grad_b.add_(product)
+            else:
+                self.staged.add_grad_b(op.name.split(".")[0], product)
             if needed[name]:
                 ds = (grad @ lora_b.float()) * scaling
                 give(name, ds if self.staged is None else self.staged.keep(ds), fresh=True)

@@ -37,7 +37,13 @@ from flexserve.layers.lora_linear import LoRALinear
 
 class StagedLoRA:
     """The staged adapters of up to `width` jobs of one plan (rank `rank`, `targets` with their
-    (in, out) sizes), with their gradient buffers and the row mask of the window being run."""
+    (in, out) sizes), with their gradient buffers and the row mask of the window being run.
+
+    Host work per window is a few copies: the jobs' LoRA slots into a static index and each
+    row's job into a static row map (`load`), and one multi-tensor add of every job's gradient
+    blocks into its own buffers (`unstage`). The adapters are gathered from the slots inside the
+    pieces (`gather`, captured with them), and each job's blocks of dA and dB are contiguous
+    ([width, r, in] and [width, out, r])."""
 
     def __init__(self, width: int, rank: int, shapes: dict[str, tuple[int, int]],
                  max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -51,17 +57,33 @@ class StagedLoRA:
                   for t, (_, n_out) in shapes.items()}
         self.scale = {t: torch.zeros(cols, device=device) for t in shapes}
         self.grad_a = {t: torch.zeros(cols, n_in, device=device) for t, (n_in, _) in shapes.items()}
-        self.grad_b = {t: torch.zeros(n_out, cols, device=device)
-                       for t, (_, n_out) in shapes.items()}
+        self.grad_b_blocks = {t: torch.zeros(width, n_out, rank, device=device)
+                              for t, (_, n_out) in shapes.items()}
+        self.slots = torch.zeros(width, dtype=torch.long, device=device)  # block -> LoRA slot
         # block of each row (rows past the window's: none) and its rank-wide mask
         self.row_block = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.mask = torch.zeros(max_rows, cols, dtype=torch.bool, device=device)
         self._block_of_col = torch.arange(cols, device=device) // rank
         self._blocks = torch.arange(width, device=device)
-        # NaN where a job's rows left the window non-finite, 0 elsewhere (per block)
+        # NaN where a job's rows went non-finite, 0 elsewhere (per block)
         self.poison = torch.zeros(width, device=device)
 
     # ------------------------------------------------------------------ inside the pieces
+    def gather(self, modules: dict[str, LoRALinear]) -> None:
+        """The adapters of the blocks' LoRA slots (`load`) of one layer's `modules` (target ->
+        LoRALinear) into the staged weights, non-finite values as zero; the marks cleared."""
+        r, w = self.rank, self.width
+        for target, module in modules.items():
+            a, b = self.a[target], self.b[target]
+            torch.index_select(module.lora_a[:, :r], 0, self.slots, out=a.view(w, r, -1))
+            b.view(b.shape[0], w, r).copy_(
+                module.lora_b[:, :, :r].index_select(0, self.slots).transpose(0, 1))
+            self.scale[target].copy_(module.scaling.index_select(0, self.slots)
+                                     .repeat_interleave(r))
+            torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0, out=a)
+            torch.nan_to_num(b, nan=0.0, posinf=0.0, neginf=0.0, out=b)
+        self.poison.zero_()
+
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         """`t` [rows, width * r] with each row's other blocks zero."""
         return torch.where(self.mask[:t.shape[0]], t, 0.0)
@@ -71,10 +93,10 @@ class StagedLoRA:
         job's block."""
         return self.keep(s.repeat(1, self.width))
 
-    def sanitize(self, target: str) -> None:
-        """The staged weights of `target` with non-finite values as zero (in place)."""
-        torch.nan_to_num(self.a[target], nan=0.0, posinf=0.0, neginf=0.0, out=self.a[target])
-        torch.nan_to_num(self.b[target], nan=0.0, posinf=0.0, neginf=0.0, out=self.b[target])
+    def add_grad_b(self, target: str, grad: torch.Tensor) -> None:
+        """Add dB [out, width * r] into the per-job blocks."""
+        blocks = self.grad_b_blocks[target]
+        blocks.add_(grad.view(grad.shape[0], self.width, self.rank).transpose(0, 1))
 
     def mark_nonfinite(self, rows: torch.Tensor) -> torch.Tensor:
         """Mark every job with a non-finite value in its rows of `rows` [n, ...]; returns which
@@ -94,45 +116,33 @@ class StagedLoRA:
         if index is not None:
             index.masked_fill_(bad, dump_row)
 
+    def seal(self) -> None:
+        """The marks into the gradient blocks (a marked job's dA gets a NaN), at the end of
+        the last piece."""
+        first = next(iter(self.grad_a.values()))
+        first.view(self.width, self.rank, -1)[:, 0, 0].add_(self.poison)
+
     # ----------------------------------------------------------------- around the pieces
-    def load_rows(self, blocks: list[tuple[int, int]], bucket: int) -> None:
-        """The window's rows by job: (block, number of rows) in row order, padded to
-        `bucket` rows (padding rows belong to no block)."""
+    def load(self, slots: list[int], blocks: list[tuple[int, int]], bucket: int) -> None:
+        """The jobs' LoRA `slots` (block i: slots[i]; spare blocks repeat the first) and the
+        window's rows by job: (block, number of rows) in row order, padded to `bucket` rows
+        (padding rows belong to no block)."""
+        self.slots.copy_(torch.tensor(slots + slots[:1] * (self.width - len(slots))))
+        row_block = torch.full((bucket,), -1, dtype=torch.long)
         offset = 0
         for block, n in blocks:
-            self.row_block[offset:offset + n] = block
+            row_block[offset:offset + n] = block
             offset += n
-        self.row_block[offset:bucket] = -1
+        self.row_block[:bucket].copy_(row_block)
         torch.eq(self.row_block[:bucket, None], self._block_of_col, out=self.mask[:bucket])
 
-    def stage(self, modules: dict[str, LoRALinear], slots: list[int]) -> None:
-        """Copy the adapters of the jobs in LoRA `slots` (block i: slots[i]) of one layer's
-        `modules` (target -> LoRALinear) in; blocks past them are zeroed."""
-        r, dst, src = self.rank, [], []
-        for target, module in modules.items():
-            for i, slot in enumerate(slots):
-                cols = slice(i * r, (i + 1) * r)
-                dst += [self.a[target][cols], self.b[target][:, cols],
-                        self.scale[target][cols]]
-                src += [module.lora_a[slot, :r], module.lora_b[slot, :, :r],
-                        module.scaling[slot].expand(r)]
-        torch._foreach_copy_(dst, src)
-        if len(slots) < self.width:
-            rest = slice(len(slots) * r, None)
-            torch._foreach_zero_([t[rest] for t in self.a.values()]
-                                 + [t[:, rest] for t in self.b.values()])
-
     def unstage(self, grads: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """Add block i's gradients into grads[i] (target -> (dA, dB) of that job's layer), a
-        NaN too where the job was marked; zero the staged gradients and marks."""
+        """Add block i's gradients into grads[i] (target -> (dA, dB) of that job's layer; a
+        marked job's with a NaN) and zero the staged gradients."""
         r, own, staged = self.rank, [], []
         for i, parts in enumerate(grads):
-            cols = slice(i * r, (i + 1) * r)
             for target, (grad_a, grad_b) in parts.items():
                 own += [grad_a, grad_b]
-                staged += [self.grad_a[target][cols], self.grad_b[target][:, cols]]
+                staged += [self.grad_a[target][i * r:(i + 1) * r], self.grad_b_blocks[target][i]]
         torch._foreach_add_(own, staged)
-        for i, parts in enumerate(grads):
-            first = next(iter(parts.values()))[0]
-            first[:1, :1].add_(self.poison[i:i + 1].view(1, 1))
-        torch._foreach_zero_([*self.grad_a.values(), *self.grad_b.values(), self.poison])
+        torch._foreach_zero_([*self.grad_a.values(), *self.grad_b_blocks.values()])
