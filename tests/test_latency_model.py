@@ -362,3 +362,25 @@ def test_lone_stalls_do_not_move_the_online_scale_but_a_slower_device_does():
     for _ in range(60):  # the device really became 5x slower
         online.observe(shape, base * 5.0)
     assert online.scale > 3.5
+
+
+def test_fallback_keeps_what_a_refit_still_misses_on_the_newest_iterations():
+    """A refit over 512 iterations, mostly older ones, can under-predict the newest (the
+    windows that just grew): the scale starts at what the new fit misses on the last 16, not
+    at 1."""
+    device = true_model()
+    online = OnlineLatencyModel(None, refit_interval=16, max_samples=512)
+    old = samples_of(device, 496, seed=4)
+    for shape, seconds in old:
+        online.observe(shape, seconds)
+    newest = samples_of(device, 16, seed=5)
+    for shape, seconds in newest:
+        online.observe(shape, 1.6 * seconds)  # the newest work runs slower than the fit's data
+    online._refit()  # as the next due refit does
+    fit = online.model
+    ratios = sorted(1.6 * s / fit.predict(shape) for shape, s in newest)
+    assert online.scale == pytest.approx((ratios[7] + ratios[8]) / 2)
+    assert online.scale > 1.3
+    shape, seconds = newest[0]
+    assert online.predict(shape) == pytest.approx(
+        1.6 * seconds * online.safety_factor, rel=0.15)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import astuple
 
@@ -39,9 +40,10 @@ class OnlineLatencyModel:
       the prediction for a shape within the cap is `safety_factor` x the longest of the last 16
       measured iterations (0 before the first; the cap alone bounds that first window).
     - Then every `refit_interval` observations the model is refitted by NNLS (like a profile) on
-      the last `max_samples` observations, and predict = fit x scale x safety_factor (the scale
-      restarts at 1 after each refit and tracks drift between refits; the fit itself separates
-      backward work, so the fallback has one scale). A due refit runs when
+      the last `max_samples` observations, and predict = fit x scale x safety_factor (after each
+      refit the scale starts at the median of measured / fitted over the last 16 iterations,
+      what the new fit still misses on the newest work, and tracks drift between refits; the fit
+      itself separates backward work, so the fallback has one scale). A due refit runs when
       the fit is next used for fine-tuning work (a prediction with fine-tuning tokens, `model`,
       the caps), not in `observe`: inference-only serving never pays for it (a refit on 512
       samples took ~16 ms of host time, ~0.5 ms per decode step on average, measured on this
@@ -205,7 +207,11 @@ class OnlineLatencyModel:
         first = self._fitted is None
         self._fitted = LatencyModel.fit(samples, {"source": "online fallback"})
         self._since_fit = 0
-        self._scale = 1.0
+        # What the fit still misses on the newest iterations (a fit over 512 mostly older,
+        # smaller ones can under-predict the windows that just grew): kept, not forgotten.
+        ratios = [seconds / predicted for shape, seconds in samples[-16:]
+                  if (predicted := self._fitted.predict(shape)) > 0]
+        self._scale = min(max(statistics.median(ratios), 0.25), 4.0) if ratios else 1.0
         self._max_finetune_tokens = max(
             self.initial_window, 2 * max(s.finetune_tokens for s, _ in samples))
         self._max_backward_tokens = max(
