@@ -14,16 +14,11 @@ from safetensors.torch import load_file
 
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
-from flexserve.worker.finetune.backward_graphs import job_width
+from flexserve.worker.finetune.backward_graphs import MAX_BATCHED_JOBS
 from flexserve.worker.finetune.staged_lora import StagedLoRA
 from test_mixed_graphs import _llm, _setup
 
 from _hf_training import save_random_peft_adapter
-
-
-def test_job_widths():
-    assert [job_width(n) for n in (2, 3, 4, 5, 8)] == [8] * 5
-    assert job_width(9) is None
 
 
 def test_staged_rows_keep_their_own_block():
@@ -157,7 +152,7 @@ def test_jobs_of_one_plan_run_their_backward_windows_as_one(remat, tiny_config, 
     graphs = {id(job.backward_graphs) for job in runner.jobs.values()}
     assert len(graphs) == 1
     pieces = next(iter(runner.jobs.values())).backward_graphs
-    assert pieces.max_jobs == 8  # the second job's start prepared the pieces of up to 8 jobs
+    assert pieces.max_jobs == MAX_BATCHED_JOBS  # prepared at the second job's start
     assert runner.num_backward_windows["across_jobs"] > 0
     for i, (adapter, (init, _)) in enumerate(zip(together, jobs)):
         initial = load_file(f"{init}/adapter_model.safetensors")

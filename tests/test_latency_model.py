@@ -259,21 +259,22 @@ def test_online_model_follows_a_drifted_device():
     base = true_model()
     online = OnlineLatencyModel(base, ewma_alpha=0.1)
     assert not online.is_fallback and online.error_ratio == 0.0 and online.num_observed == 0
-    stream = samples_of(base, 300, seed=8)
+    stream = samples_of(base, 1000, seed=8)
     for shape, seconds in stream[:5]:
         online.observe(shape, 1.5 * seconds)
     early_error = online.error_ratio  # |1 - 1.5| / 1.5 at first, shrinking as the scale moves
     assert 0.2 < early_error < 1 / 3
     for shape, seconds in stream[5:]:
         online.observe(shape, 1.5 * seconds)
-    assert online.num_observed == 300
-    assert online.scale == pytest.approx(1.5, rel=1e-2)
-    # Backward windows are a small share of these iterations: their scale follows slower,
-    # and matters as little.
-    assert 1.2 < online.backward_scale <= 1.5
-    assert online.error_ratio < 0.02 < early_error
+    assert online.num_observed == 1000
+    # Backward windows are a small share of these iterations (~1% of the prediction, median):
+    # their scale moves by that share, so it follows in ~1000 iterations where the forward's
+    # follows in ~50; the prediction is within 0.2% of the device's.
+    assert online.scale == pytest.approx(1.5, rel=2e-3)
+    assert online.backward_scale == pytest.approx(1.5, rel=2e-2)
+    assert online.error_ratio < 0.01 < early_error
     shape = stream[0][0]
-    assert online.predict(shape) == pytest.approx(1.5 * base.predict(shape), rel=1e-2)
+    assert online.predict(shape) == pytest.approx(1.5 * base.predict(shape), rel=2e-3)
 
 
 def test_online_model_corrects_backward_windows_on_their_own():

@@ -147,14 +147,15 @@ class OnlineLatencyModel:
         """Record one executed iteration (call after every step); ignores non-positive times."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
-        predicted = self.predict(shape)
+        if self.base is not None:
+            forward, backward = self.base.predict_parts(shape)
+            predicted = self._scale * forward + self._backward_scale * backward
+        else:  # the fallback's fit has one scale (it is refitted on what it sees)
+            predicted = self.predict(shape)  # (refits when due)
+            forward, backward = (self._fitted.predict(shape) if self._fitted else 0.0), 0.0
         if math.isfinite(predicted) and predicted > 0:
             self._errors.append(abs(predicted - seconds) / seconds)
         self._num_observed += 1
-        if self.base is not None:
-            forward, backward = self.base.predict_parts(shape)
-        else:  # the fallback's fit has one scale (it is refitted on what it sees)
-            forward, backward = (self._fitted.predict(shape) if self._fitted else 0.0), 0.0
         corrected = self._scale * forward + self._backward_scale * backward
         if corrected > 0:
             # A lone iteration several times slower than predicted is a stall (a kernel compiled

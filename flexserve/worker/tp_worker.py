@@ -156,38 +156,37 @@ def serve_messages(runner: ModelRunner, conn: Connection, prompts: PromptCache, 
             return WorkerError(rank, traceback.format_exc())
         return _sent_back(result, driver)
 
-    while True:
-        if pending is not None and not _next_message_first(conn, done):
+    def send_pending() -> None:
+        nonlocal pending
+        if pending is not None:
             conn.send(reply_of(pending))
             pending = None
+
+    while True:
+        if pending is not None and not _next_message_first(conn, done):
+            send_pending()
         try:
             message = prompts.decode(conn.recv_bytes())
         except EOFError:  # the engine process is gone
             message = None
         if message is None:
-            if pending is not None:
-                try:
-                    conn.send(reply_of(pending))
-                except OSError:  # the engine process is gone: nobody waits for it
-                    pass
+            try:
+                send_pending()
+            except OSError:  # the engine process is gone: nobody waits for it
+                pass
             return
-        if pending is not None and not (overlap and isinstance(message, BatchPlan)
-                                        and message.continues_previous):
-            conn.send(reply_of(pending))  # anything but a continuation follows its result
-            pending = None
+        if not (overlap and isinstance(message, BatchPlan) and message.continues_previous):
+            send_pending()  # anything but a continuation follows its result
         if isinstance(message, RankCall):
             conn.send(reply_of(lambda message=message: call_runner(runner, message)))
             continue
         try:
             wait = runner.execute_async(message)
         except Exception:
-            if pending is not None:
-                conn.send(reply_of(pending))
-                pending = None
+            send_pending()
             conn.send(WorkerError(rank, traceback.format_exc()))
             continue
-        if pending is not None:
-            conn.send(reply_of(pending))  # step N's, after step N+1 is launched
+        send_pending()  # step N's, after step N+1 is launched
         if overlap:
             pending = wait
             done.record()

@@ -28,8 +28,8 @@ slot it runs. On CPU (tests) the same padded pieces run eagerly.
 
 Windows of several jobs of the plan run as one too (MuxTune's batched backward): `run_many`
 stacks their rows, stages the jobs' adapters side by side (`StagedLoRA`: each row's LoRA math on
-its own job's block) and replays the pieces of a job width (up to 8 jobs, captured with
-`prepare_width` once a second job of the plan runs), so the frozen GEMMs of a layer run once
+its own job's block) and replays the pieces for up to `MAX_BATCHED_JOBS` jobs (captured with
+`prepare_batched` once a second job of the plan runs), so the frozen GEMMs of a layer run once
 over every job's rows.
 
 A layer whose pieces need what a gathered window cannot give (a tensor the plan leaves in the KV
@@ -60,17 +60,11 @@ logger = logging.getLogger(__name__)
 # backward window's fixed cost is of the order of a 4096-row window's GEMMs); longer ones run
 # eagerly. The graphs' private memory is the largest bucket's working set, shared by all.
 BACKWARD_GRAPH_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-# Job widths of pieces that run several jobs' windows as one: the LoRA products are this many
-# rank blocks wide (a row keeps its own), so a width serves every smaller number of jobs. One
-# width, captured when a plan's second job starts: each capture of a plan's pieces takes seconds
-# (H200, Llama-3.1-8B, all projections: 3-4 s), and the wider LoRA products cost little next to
-# the frozen GEMMs (they read the same operands).
-JOB_WIDTHS = (8,)
-
-
-def job_width(num_jobs: int) -> int | None:
-    """The smallest job width for `num_jobs` jobs (> 1); None when more than the widest."""
-    return next((w for w in JOB_WIDTHS if w >= num_jobs), None)
+# Jobs whose windows the batched pieces run as one: their LoRA products are this many rank
+# blocks wide (a row keeps its own; fewer jobs leave blocks zero). One set of pieces, captured
+# when a plan's second job starts: a capture of a plan's pieces takes seconds (H200,
+# Llama-3.1-8B, all projections: 3-4 s), and the wider LoRA products read the same operands.
+MAX_BATCHED_JOBS = 8
 
 
 def backward_buckets(max_rows: int) -> tuple[int, ...]:
@@ -152,8 +146,8 @@ class _Graphs:
 
 
 @dataclass(slots=True)
-class _Width:
-    """The pieces of one job width: a template on staged adapters and its graphs."""
+class _Batched:
+    """The pieces of several jobs' windows as one: a template on staged adapters, its graphs."""
     template: SequenceBackward
     graphs: dict[tuple[int, int], _Graphs]
 
@@ -185,10 +179,9 @@ class BackwardGraphs:
         self._widths = {name: graph.tensors[name].width
                         for name in (self._attention.outputs[0], *self._attention.inputs)}
         self._graphs: dict[tuple[int, int], _Graphs] = {}
-        self._job_widths: dict[int, _Width] = {}  # job width -> its pieces (`prepare_width`)
+        self._batched: _Batched | None = None  # `prepare_batched`
         self._eager_layers: set[int] = set()  # layers whose pieces cannot run gathered
         self.capture_failed = False  # a capture failed: the windows run eagerly
-        self._prepared = False
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -204,8 +197,8 @@ class BackwardGraphs:
 
     @property
     def max_jobs(self) -> int:
-        """How many jobs' windows `run_many` takes as one (the widest prepared job width)."""
-        return max(self._job_widths, default=1)
+        """How many jobs' windows `run_many` takes as one."""
+        return 1 if self._batched is None else MAX_BATCHED_JOBS
 
     def prepare(self) -> int:
         """Find the layers whose pieces run gathered and, on CUDA, capture every (layer,
@@ -214,25 +207,26 @@ class BackwardGraphs:
         inputs, which adds exactly zero to the job's gradients. Call between iterations."""
         return self._capture(self.template, self._graphs, find_eager=True)
 
-    def prepare_width(self, width: int, template: SequenceBackward) -> int:
-        """The pieces of `width` jobs' windows as one: `template` is a `SequenceBackward` of
-        the plan like `self.template` (its own gradient buffers, which it does not use); its
-        LoRA math reads adapters staged side by side. Captured on CUDA like `prepare`'s (call
-        it after `prepare`, between iterations); returns the number of graphs."""
-        if width not in JOB_WIDTHS or width in self._job_widths:
-            raise ValueError(f"job width {width}: one of {JOB_WIDTHS}, once")
+    def prepare_batched(self, template: SequenceBackward) -> int:
+        """The pieces of up to `MAX_BATCHED_JOBS` jobs' windows as one: `template` is a
+        `SequenceBackward` of the plan like `self.template` (its own gradient buffers, which it
+        does not use); its LoRA math reads adapters staged side by side. Captured on CUDA like
+        `prepare`'s (call it after `prepare`, once, between iterations); returns the number of
+        graphs."""
+        if self._batched is not None:
+            raise ValueError("the batched pieces are prepared already")
         if template.store.lora_dropout > 0:
             raise ValueError("adapters with dropout run their windows one job at a time")
         modules = {target: template.lora_parts(0, target)[0] for target in template.graph.bypass}
         first = next(iter(modules.values()))
         template.staged = StagedLoRA(
-            width, template.lora_parts(0, next(iter(modules)))[1],
+            MAX_BATCHED_JOBS, template.lora_parts(0, next(iter(modules)))[1],
             {target: (m.in_features, m.out_features) for target, m in modules.items()},
             self.buffers.max_rows, first.lora_a.dtype, self.buffers.device)
         graphs: dict[tuple[int, int], _Graphs] = {}
         count = self._capture(template, graphs, find_eager=False)
         if not self.capture_failed:
-            self._job_widths[width] = _Width(template, graphs)
+            self._batched = _Batched(template, graphs)
         return count
 
     def _capture(self, template: SequenceBackward, graphs: dict[tuple[int, int], _Graphs],
@@ -262,7 +256,7 @@ class BackwardGraphs:
                     # The same pieces run eagerly, padded to their buckets.
                     logger.warning("backward windows run without CUDA graphs: %s", e)
                     self._graphs.clear()
-                    self._job_widths.clear()
+                    self._batched = None
                     self.use_graphs = False
                     self.capture_failed = True  # its pool takes no more captures
                     self.buffers.clear()
@@ -295,8 +289,7 @@ class BackwardGraphs:
             template, graphs = self.template, self._graphs
             self._stage_weights(windows[0][0], layer)
         else:
-            width = min(w for w in self._job_widths if w >= len(owners))
-            template, graphs = self._job_widths[width].template, self._job_widths[width].graphs
+            template, graphs = self._batched.template, self._batched.graphs
             staged = template.staged
             slots = list(owners)
             staged.load(slots, [(slots.index(owner.lora_slot), end - start)

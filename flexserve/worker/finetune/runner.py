@@ -57,7 +57,6 @@ from flexserve.worker.finetune.backward_graphs import (
     BackwardBuffers,
     BackwardGraphs,
     backward_buckets,
-    job_width,
 )
 from flexserve.worker.finetune.graph_capture import UNSUPPORTED_SUFFIXES, KeptTensor
 from flexserve.worker.finetune.layer_backward import SequenceBackward, lora_grad_name
@@ -252,7 +251,7 @@ class FinetuneRunner:
         self.activation_budget_gib = activation_budget_gib  # None: no budget
         self.activation_offload = activation_offload  # budget: layers to host memory first
         self.max_finetune_len = max_finetune_len  # None: each job's max_seq_len bounds its data
-        # run the backward windows of several jobs of a plan as one (`_widen_backward_graphs`)
+        # run the backward windows of several jobs of a plan as one (`_batch_backward_graphs`)
         self.batched_backward = batched_backward
         self.loss_chunk_rows = loss_chunk_rows
         self.jobs: dict[str, _Job] = {}
@@ -330,23 +329,22 @@ class FinetuneRunner:
                 if graphs is None:
                     graphs = self._backward_cache[key] = self._backward_graphs(job)
                 job.backward_graphs = graphs
-                self._widen_backward_graphs(graphs, job)
+                if self.batched_backward:
+                    self._batch_backward_graphs(graphs, job)
         return job.plan
 
-    def _widen_backward_graphs(self, graphs: BackwardGraphs, job: _Job) -> None:
-        """Where this job makes more running jobs of its plan than `graphs` takes at once, the
-        pieces of the next job width (their windows then run as one, `BackwardGraphs.run_many`):
-        captured once per plan and width, like the plan's own."""
+    def _batch_backward_graphs(self, graphs: BackwardGraphs, job: _Job) -> None:
+        """Once this job is the second running job of its plan, the pieces that run several
+        jobs' windows as one (`BackwardGraphs.prepare_batched`): captured once per plan, like
+        the plan's own."""
         sharing = sum(other.backward_graphs is graphs for other in self.jobs.values())
-        width = job_width(sharing) if sharing > 1 else None
-        if (not self.batched_backward or width is None or width <= graphs.max_jobs
-                or job.dropout > 0 or graphs.capture_failed):
+        if sharing < 2 or graphs.max_jobs > 1 or job.dropout > 0 or graphs.capture_failed:
             return
         t0 = time.perf_counter()
-        count = graphs.prepare_width(width, self._template(job))
-        logger.info("fine-tuning job %s: %d jobs of its plan run; backward-window pieces for "
-                    "%d jobs' windows at once (%d graphs) captured in %.1f s", job.spec.job_id,
-                    sharing, width, count, time.perf_counter() - t0)
+        count = graphs.prepare_batched(self._template(job))
+        logger.info("fine-tuning job %s: a second job of its plan runs; backward-window pieces "
+                    "for up to %d jobs' windows at once (%d graphs) captured in %.1f s",
+                    job.spec.job_id, graphs.max_jobs, count, time.perf_counter() - t0)
 
     def _template(self, job: _Job) -> SequenceBackward:
         """A `SequenceBackward` of the job's plan on the staging slot, with gradient buffers of
