@@ -16,7 +16,7 @@ block's value, even a non-finite one, becomes an exact zero):
 Every block of dB_cat and dA_cat is the sum over its own job's rows, exactly the gradient of
 that job's windows run alone (in another summation order), and every row's dX is its own
 adapter's. The LoRA products are `width` times wider (rank-16 blocks of 8 jobs: 128 columns,
-~10% of an 8B layer's frozen dX FLOPs on all projections).
+by the FLOP count ~10% of an 8B layer's frozen dX FLOPs on all projections).
 
 Isolation: a job whose values went non-finite must not spread them through the weight-gradient
 sums, which add over every job's rows (0 * nan is nan). Non-finite values can enter a window in
