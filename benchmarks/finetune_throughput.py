@@ -19,6 +19,15 @@ the plans to fit (each job's max_seq_len is its sequence length, so the budget i
     python benchmarks/finetune_throughput.py --length-range 1024 8192 --num-sequences 16 \
         --targets down_proj      # coserve.py's job mix, offline
 
+`--backends hf-peft` runs the baseline first in the same process: HF transformers (SDPA attention)
+with a PEFT LoRA of the same rank, alpha and targets, fused AdamW, bf16 autocast, one sequence per
+step, as a user of HF + PEFT trains; `--hf-gradient-checkpointing` adds its gradient checkpointing
+(non-reentrant). Its peak extra memory is the same measure (peak during the timed steps minus what
+was allocated after the model was built: activations, gradients and AdamW state):
+
+    python benchmarks/finetune_throughput.py --seq-lens 4096 --targets down_proj \
+        --backends hf-peft flexserve --hf-gradient-checkpointing off on
+
 `--window-attention flash|cudnn-buckets` sets FLEXSERVE_WINDOW_ATTENTION (what whole-prefix
 backward windows run on, `backward_ops.window_attention`); the engine's start-up warm-up builds
 the cuDNN plans of their buckets up to the longest length, so the timed steps build none.
@@ -63,6 +72,12 @@ def main() -> None:
                              "fused LoRA kernels; the masks' int64 reference hash, applied as tensors "
                              "in the forward and regenerated in the backward since plans keep no "
                              "mask); several values run each case once per value")
+    parser.add_argument("--backends", nargs="+", choices=["flexserve", "hf-peft"],
+                        default=["flexserve"],
+                        help="hf-peft: HF transformers + PEFT + AdamW on the same cases, run first")
+    parser.add_argument("--hf-gradient-checkpointing", nargs="+", choices=["off", "on"],
+                        default=["off"], help="hf-peft's gradient checkpointing; several values "
+                                              "run each case once per value")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks (one GPU each) that train each job together; above 1 the "
                              "memory reported is each GPU's in use after the timed steps over "
@@ -91,6 +106,10 @@ def main() -> None:
                              "window loss, and the backward windows of each layer (GB)")
     parser.add_argument("--profile", action="store_true",
                         help="profile the timed steps (torch.profiler) and print the GPU time by kernel")
+    parser.add_argument("--profile-ops", action="store_true",
+                        help="with --profile: also record the host's operators and their input "
+                             "shapes, and print the device time of each (operator, shapes); the "
+                             "wall time then includes the recording")
     parser.add_argument("--window-attention", choices=["flash", "cudnn-buckets"], default=None,
                         help="FLEXSERVE_WINDOW_ATTENTION for this run [the variable, else "
                              "backward_ops' default]")
@@ -124,6 +143,11 @@ def main() -> None:
         if not 2 <= lo <= hi:
             parser.error(f"--length-range needs 2 <= MIN <= MAX, got {lo} {hi}")
         args.seq_lens = [hi]  # one case per target set; its sequences' lengths vary
+    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
+    if "hf-peft" in args.backends:
+        run_hf_peft(args, writer)
+    if "flexserve" not in args.backends:
+        return
     max_len = max(args.seq_lens)
     llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16",
               max_model_len=max_len + 16, enable_lora=True, max_lora_rank=args.rank,
@@ -143,17 +167,12 @@ def main() -> None:
                                                  for i in range(args.tensor_parallel_size))]
 
     vocab = engine.info.vocab_size
-    writer = harness.JsonlWriter(args.out, __file__, echo=lambda line: print(line, flush=True))
     cases = [(t, n, p, b) for t in args.targets for n in args.seq_lens for p in args.lora_dropouts
              for b in args.lora_backward]
     for targets, seq_len, lora_dropout, lora_backward in tqdm(cases, desc="fine-tuning cases"):
         use_lora_backward(lora_backward)
         g = torch.Generator().manual_seed(seq_len)
-        lengths = [seq_len] * (args.num_sequences + 1)
-        if args.length_range is not None:  # the warm-up sequence is the longest
-            rng = random.Random(f"finetune-lengths-{args.length_range}")
-            lengths = [args.length_range[1]] + [rng.randint(*args.length_range)
-                                                for _ in range(args.num_sequences)]
+        lengths = case_lengths(args, seq_len)
         examples = [TrainingExample(i + 1, torch.randint(100, vocab - 100, (n,),
                                                          generator=g).tolist(),
                                     [False] + [True] * (n - 1))
@@ -183,17 +202,18 @@ def main() -> None:
             phases["(before)"] = before
         if timers is not None:
             timers.clear()
-        profiler = _start_profiler() if args.profile else None
+        profiler = _start_profiler(args.profile_ops) if args.profile else None
         start = time.perf_counter()
         while not job.finished:
             engine.step()
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        kernel_table = _stop_profiler(profiler, elapsed, args.num_sequences) if profiler else None
+        kernel_table = _stop_profiler(profiler, elapsed, args.num_sequences,
+                                      args.profile_ops) if profiler else None
         if distributed:
             writer.write({
-                "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
-                "length_range": args.length_range,
+                "backend": "flexserve", "model": args.model, "targets": targets,
+                "rank": args.rank, "seq_len": seq_len, "length_range": args.length_range,
                 "tensor_parallel_size": args.tensor_parallel_size,
                 "lora_dropout": lora_dropout, "status": job.status.value,
                 "tokens_per_s": round(num_timed_tokens / elapsed, 1),
@@ -212,8 +232,8 @@ def main() -> None:
         layers = runner.jobs[job.job_id].layer_plans
         plan = layers.plans[-1]
         row = {
-            "model": args.model, "targets": targets, "rank": args.rank, "seq_len": seq_len,
-                "length_range": args.length_range,
+            "backend": "flexserve", "model": args.model, "targets": targets, "rank": args.rank,
+            "seq_len": seq_len, "length_range": args.length_range,
             "remat_threshold": plan.remat_threshold, "remat_chains": plan.chains,
             "stored": sorted(plan.stored),
             "activation_budget_gib": args.finetune_activation_budget,
@@ -246,17 +266,114 @@ def main() -> None:
         torch.cuda.empty_cache()
 
 
-def _start_profiler():
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+def case_lengths(args, seq_len: int) -> list[int]:
+    """The warm-up sequence's length, then the timed ones'."""
+    lengths = [seq_len] * (args.num_sequences + 1)
+    if args.length_range is not None:  # the warm-up sequence is the longest
+        rng = random.Random(f"finetune-lengths-{args.length_range}")
+        lengths = [args.length_range[1]] + [rng.randint(*args.length_range)
+                                            for _ in range(args.num_sequences)]
+    return lengths
+
+
+def run_hf_peft(args, writer) -> None:
+    """The HF + PEFT baseline on every (targets, length, checkpointing) case: a fresh model and
+    adapter per case, one optimizer step per sequence, every token in the loss."""
+    import gc
+
+    from flexserve.model.registry import resolve_model
+
+    hf_config = resolve_model(args.model, args.load_format).hf_config
+    hf_config._attn_implementation = "sdpa"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cases = [(t, n, c) for t in args.targets for n in args.seq_lens
+             for c in args.hf_gradient_checkpointing]
+    for targets, seq_len, checkpointing in tqdm(cases, desc="hf-peft cases"):
+        row = {"backend": "hf-peft", "model": args.model, "targets": targets, "rank": args.rank,
+               "seq_len": seq_len, "length_range": args.length_range,
+               "gradient_checkpointing": checkpointing, "attention": "sdpa"}
+        try:
+            row.update(_hf_peft_case(args, hf_config, device, targets, seq_len,
+                                     checkpointing == "on"))
+        except torch.cuda.OutOfMemoryError as e:
+            row["error"] = f"out of memory: {str(e)[:200]}"
+        writer.write(row)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _hf_peft_case(args, hf_config, device: torch.device, targets: str, seq_len: int,
+                  checkpointing: bool) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with device:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                      target_modules=ALL if targets == "all" else targets.split(","),
+                      task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)  # adapters in fp32 (PEFT's autocast_adapter_dtype)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=1e-4, fused=cuda)
+    g = torch.Generator().manual_seed(seq_len)
+    sequences = [torch.randint(100, hf_config.vocab_size - 100, (n,), generator=g)
+                 for n in case_lengths(args, seq_len)]
+
+    def step(ids: torch.Tensor) -> float:
+        ids = ids.to(device)[None]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    sync()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    losses = [step(sequences[0])]  # warm-up step (AdamW state, allocator)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for ids in sequences[1:]:
+        losses.append(step(ids))
+    sync()
+    elapsed = time.perf_counter() - start
+    timed_tokens = sum(len(ids) for ids in sequences[1:])
+    return {"tokens_per_s": round(timed_tokens / elapsed, 1),
+            "seconds_per_sequence": round(elapsed / args.num_sequences, 3),
+            "peak_extra_memory_gb": round((torch.cuda.max_memory_allocated() - before) / 1e9, 3)
+            if cuda else None,
+            "losses": [round(x, 4) for x in losses]}
+
+
+def _start_profiler(ops: bool = False):
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if ops:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=ops)
     profiler.__enter__()
     return profiler
 
 
-def _stop_profiler(profiler, elapsed: float, num_sequences: int, top: int = 25) -> dict[str, float]:
+def _stop_profiler(profiler, elapsed: float, num_sequences: int, ops: bool = False,
+                   top: int = 25) -> dict[str, float]:
     """Exit the profiler; print and return the GPU milliseconds per sequence of the `top`
-    kernels (and the busy total against the wall time; the profiler adds little at this size)."""
+    kernels (and the busy total against the wall time; the profiler adds little at this size).
+    `ops`: also print the device time of the top (operator, input shapes)."""
     profiler.__exit__(None, None, None)
-    kernels = [e for e in profiler.key_averages() if e.device_time_total > 0]
+    events = profiler.key_averages()
+    kernels = [e for e in events if e.device_time_total > 0 and not e.key.startswith("aten::")]
+    if ops:  # the kernels are the events no host operator is
+        kernels = [e for e in kernels if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     busy = sum(e.device_time_total for e in kernels) / 1e3 / num_sequences
     table = {"(GPU busy)": round(busy, 2), "(wall)": round(elapsed * 1e3 / num_sequences, 2)}
@@ -266,6 +383,14 @@ def _stop_profiler(profiler, elapsed: float, num_sequences: int, top: int = 25) 
     print("GPU ms per sequence by kernel:")
     for key, ms in table.items():
         print(f"  {key:<{width}} {ms:9.2f}")
+    if ops:
+        by_op = [e for e in profiler.key_averages(group_by_input_shape=True)
+                 if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+        by_op.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        print("GPU ms per sequence by operator and input shapes (self):")
+        for e in by_op[:2 * top]:
+            print(f"  {e.self_device_time_total / 1e3 / num_sequences:8.2f}  {e.count:6d}x  "
+                  f"{e.key:<36} {str(e.input_shapes)[:120]}")
     return table
 
 

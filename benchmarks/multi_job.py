@@ -14,7 +14,9 @@ counts every job's forward tokens over the wall time from the first job's start 
 one's end; "start_seconds" is the part spent starting jobs (on CUDA their graph captures) and
 "training_tokens_per_s" the tokens over the rest; peak memory is
 max_memory_allocated during the run less what was allocated before (CUDA only). A short job runs
-first, untimed, to compile kernels and warm the allocator.
+first, untimed, to compile kernels and warm the allocator. `--profile` then runs the largest
+--num-jobs concurrently once more under cProfile and torch.profiler (untimed): the device's busy
+time, its top kernels and the top host functions.
 
 CPU smoke test (a tiny random Llama, seconds):
 
@@ -82,6 +84,8 @@ def run(engine, jobs: list, concurrent: bool) -> dict:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     rounds_before = dict(engine.scheduler.finetune.packing_methods)
+    runner = getattr(engine.executor, "finetune_runner", None)  # None: the ranks hold it
+    windows_before = dict(runner.num_backward_windows) if runner is not None else None
     pending = list(jobs)
     running: list = []
     num_tokens, max_running, starting = 0, 0, 0.0
@@ -112,8 +116,11 @@ def run(engine, jobs: list, concurrent: bool) -> dict:
     peak = torch.cuda.max_memory_allocated() - before if cuda else None
     rounds = {method: count - rounds_before[method]
               for method, count in engine.scheduler.finetune.packing_methods.items()}
+    windows = None if runner is None else {
+        how: count - windows_before[how] for how, count in runner.num_backward_windows.items()}
     return {"tokens": num_tokens, "seconds": elapsed, "start_seconds": starting,
-            "peak_extra_bytes": peak, "max_running": max_running, "packing_rounds": rounds}
+            "peak_extra_bytes": peak, "max_running": max_running, "packing_rounds": rounds,
+            "backward_windows": windows}
 
 
 def main() -> None:
@@ -144,6 +151,10 @@ def main() -> None:
     parser.add_argument("--batched-backward", action="store_true",
                         help="run the backward windows of the jobs of one plan as one "
                              "(--finetune-batched-backward)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then run the largest --num-jobs concurrently once more under "
+                             "cProfile and torch.profiler (untimed): the device's busy time "
+                             "against the wall, the top kernels and the top host functions")
     harness.add_out_argument(parser)
     args = parser.parse_args()
     if args.tiny:
@@ -192,11 +203,48 @@ def main() -> None:
                     result["seconds"] - result["start_seconds"], 1e-9), 1),
                 "peak_extra_memory_gb": None if peak is None else round(peak / 1e9, 3),
                 "max_jobs_at_once": result["max_running"],
-                "packing_rounds": result["packing_rounds"]})
+                "packing_rounds": result["packing_rounds"],
+                # layer-windows of the backward: run as graphs / eagerly, run together with
+                # others of their layer, and of those, together with other jobs' windows
+                "backward_windows": result["backward_windows"]})
         if len(results) == 2:
             concurrent, sequential = results["concurrent"], results["sequential"]
             writer.write({"num_jobs": num_jobs, "speedup_concurrent_vs_sequential": round(
                 sequential["seconds"] / concurrent["seconds"], 3)})
+    if args.profile:
+        jobs = [make_job(i, args, vocab) for i in range(max(args.num_jobs))]
+        profile_run(engine, jobs)
+
+
+def profile_run(engine, jobs: list, top: int = 30) -> None:
+    """The jobs concurrently under cProfile and (on CUDA) torch.profiler; prints where the time
+    goes."""
+    import cProfile
+    import io
+    import pstats
+
+    # the device's kernels only: recording every host op as well slows the run several-fold
+    activities = ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available()
+                  else [torch.profiler.ProfilerActivity.CPU])
+    host = cProfile.Profile()
+    with torch.profiler.profile(activities=activities) as device:
+        host.enable()
+        result = run(engine, jobs, concurrent=True)
+        host.disable()
+    kernels = [e for e in device.key_averages() if e.device_time_total > 0]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    busy = sum(e.device_time_total for e in kernels) / 1e6
+    print(f"profiled run: {result['seconds']:.2f} s wall ({result['start_seconds']:.2f} s "
+          f"starting jobs), device busy {busy:.2f} s; backward windows "
+          f"{result['backward_windows']}")
+    for e in kernels[:top]:
+        print(f"  {e.device_time_total / 1e6:8.3f} s  {e.count:7d}x  {e.key[:100]}")
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue())
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(top)
+    print(text.getvalue())
 
 
 if __name__ == "__main__":

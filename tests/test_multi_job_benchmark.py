@@ -25,3 +25,17 @@ def test_multi_job_benchmark_smoke():
     assert by_mode["sequential"]["max_jobs_at_once"] == 1
     speedup = [r for r in records if "speedup_concurrent_vs_sequential" in r]
     assert len(speedup) == 1 and speedup[0]["num_jobs"] == 3
+    for r in by_mode.values():  # every layer-window of the backward is counted once
+        windows = r["backward_windows"]
+        assert windows["graphs"] + windows["eager"] > 0
+        assert windows["across_jobs"] <= windows["together"] <= windows["graphs"]
+
+
+@pytest.mark.slow
+def test_multi_job_benchmark_profile():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--num-jobs", "2",
+                          "--modes", "concurrent", "--profile"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    profiled = [line for line in out.splitlines() if line.startswith("profiled run:")]
+    assert len(profiled) == 1 and "backward windows" in profiled[0]
+    assert "Ordered by: internal time" in out and "Ordered by: cumulative time" in out

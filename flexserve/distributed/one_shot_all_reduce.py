@@ -74,9 +74,6 @@ class OneShotAllReduce:
         self.group_name = _group_name(group)
         self.max_bytes = max_bytes
         device = torch.device("cuda", torch.cuda.current_device())
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(self.group_name):
-            enable(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
 
