@@ -42,6 +42,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -365,10 +366,11 @@ def _start_profiler(ops: bool = False):
 
 
 def _stop_profiler(profiler, elapsed: float, num_sequences: int, ops: bool = False,
-                   top: int = 25) -> dict[str, float]:
+                   top: int = 25) -> dict[str, Any]:
     """Exit the profiler; print and return the GPU milliseconds per sequence of the `top`
     kernels (and the busy total against the wall time; the profiler adds little at this size).
-    `ops`: also print the device time of the top (operator, input shapes)."""
+    `ops`: also the device time of the top 2 x `top` (operator, input shapes), printed and under
+    the table's "(by operator)"."""
     profiler.__exit__(None, None, None)
     events = profiler.key_averages()
     kernels = [e for e in events if e.device_time_total > 0 and not e.key.startswith("aten::")]
@@ -388,9 +390,12 @@ def _stop_profiler(profiler, elapsed: float, num_sequences: int, ops: bool = Fal
                  if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
         by_op.sort(key=lambda e: e.self_device_time_total, reverse=True)
         print("GPU ms per sequence by operator and input shapes (self):")
+        operators = {}
         for e in by_op[:2 * top]:
-            print(f"  {e.self_device_time_total / 1e3 / num_sequences:8.2f}  {e.count:6d}x  "
-                  f"{e.key:<36} {str(e.input_shapes)[:120]}")
+            ms = round(e.self_device_time_total / 1e3 / num_sequences, 2)
+            operators[f"{e.key} {str(e.input_shapes)[:120]}"] = ms
+            print(f"  {ms:8.2f}  {e.count:6d}x  {e.key:<36} {str(e.input_shapes)[:120]}")
+        table["(by operator)"] = operators
     return table
 
 
