@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -307,7 +308,7 @@ def test_after_the_warm_up_a_dropout_job_compiles_nothing(tiny_dir):
     assert compiled == [], compiled
 
 
-def test_ranks_take_the_profile_of_their_tensor_parallel_size(monkeypatch, tmp_path):
+def test_ranks_take_the_profile_of_their_tensor_parallel_size(monkeypatch, tmp_path, caplog):
     """An engine over N tensor-parallel ranks takes the profile made at N ranks (its own path);
     over pipeline stages none (an explicit --latency-profile is still honoured)."""
     import types
@@ -324,8 +325,13 @@ def test_ranks_take_the_profile_of_their_tensor_parallel_size(monkeypatch, tmp_p
     config = EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2))
     assert llm_engine.LLMEngine._load_latency_profile(config, info) is None and not looked_up
     config = EngineConfig(parallel=ParallelConfig(tensor_parallel_size=2))
-    assert llm_engine.LLMEngine._load_latency_profile(config, info) is None
+    with caplog.at_level(logging.INFO, logger=llm_engine.__name__):
+        assert llm_engine.LLMEngine._load_latency_profile(config, info) is None
     assert looked_up[-1][1:] == ("NVIDIA H200", "m", "bfloat16", 2)
+    # without its profile a server of several ranks warns, naming the command that makes one
+    missing = [r for r in caplog.records if "no latency profile" in r.getMessage()]
+    assert missing[-1].levelno == logging.WARNING
+    assert "flexserve profile --tensor-parallel-size 2" in missing[-1].getMessage()
     assert profile_path("s", "NVIDIA H200", "m", "bfloat16", 2).endswith("__tp2.json")
     assert profile_path("s", "NVIDIA H200", "m", "bfloat16", 1) != \
         profile_path("s", "NVIDIA H200", "m", "bfloat16", 2)

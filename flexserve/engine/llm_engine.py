@@ -121,8 +121,13 @@ class LLMEngine:
                                           info.dtype, tp)
             path = profile_path(envs.home(), info.device_name, info.name, info.dtype, tp)
         if model is None:
-            logger.info("no latency profile at %s: fine-tuning windows start small and grow "
-                        "from measured iterations (run `flexserve profile` to calibrate)", path)
+            tp = config.parallel.tensor_parallel_size
+            # Measured on two H200s: without a profile at 2 ranks the learned windows outgrew
+            # the TPOT SLO (docs/benchmarks.md, "Co-serving at 2 ranks"); with one they held it.
+            logger.log(logging.WARNING if tp > 1 else logging.INFO,
+                       "no latency profile at %s: fine-tuning windows start small and grow "
+                       "from measured iterations (run `flexserve profile%s` to calibrate)", path,
+                       f" --tensor-parallel-size {tp}" if tp > 1 else "")
         else:
             logger.info("latency profile %s (held-out median error %s)", path,
                         model.metadata.get("median_rel_error", "unknown"))
