@@ -7,12 +7,17 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import astuple
+from dataclasses import fields
+from operator import attrgetter
 
 from flexserve.engine.iteration_shape import IterationShape
 from flexserve.engine.latency_model import LatencyModel
 
 logger = logging.getLogger(__name__)
+
+# An iteration shape's counts as a tuple (`dataclasses.astuple` deep-copies each field: most of
+# a refit's host time over 512 samples)
+_shape_key = attrgetter(*(f.name for f in fields(IterationShape)))
 
 
 class OnlineLatencyModel:
@@ -201,7 +206,7 @@ class OnlineLatencyModel:
             self._refit()
 
     def _refit(self) -> None:
-        distinct = {astuple(shape) for shape, _ in self._samples}
+        distinct = {_shape_key(shape) for shape, _ in self._samples}
         if len(distinct) < self.min_fit_samples:
             return
         samples = list(self._samples)
