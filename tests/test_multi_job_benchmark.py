@@ -19,6 +19,8 @@ def test_multi_job_benchmark_smoke():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     by_mode = {r["mode"]: r for r in records if "mode" in r}
+    first = by_mode.pop("first job")  # the warm-up job
+    assert 0 <= first["start_seconds"] <= first["seconds"]
     assert set(by_mode) == {"concurrent", "sequential"}
     assert by_mode["concurrent"]["tokens"] == by_mode["sequential"]["tokens"] > 0
     assert by_mode["concurrent"]["max_jobs_at_once"] == 3
