@@ -372,10 +372,8 @@ def _stop_profiler(profiler, elapsed: float, num_sequences: int, ops: bool = Fal
     `ops`: also the device time of the top 2 x `top` (operator, input shapes), printed and under
     the table's "(by operator)"."""
     profiler.__exit__(None, None, None)
-    events = profiler.key_averages()
-    kernels = [e for e in events if e.device_time_total > 0 and not e.key.startswith("aten::")]
-    if ops:  # the kernels are the events no host operator is
-        kernels = [e for e in kernels if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in profiler.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     kernels.sort(key=lambda e: e.device_time_total, reverse=True)
     busy = sum(e.device_time_total for e in kernels) / 1e3 / num_sequences
     table = {"(GPU busy)": round(busy, 2), "(wall)": round(elapsed * 1e3 / num_sequences, 2)}

@@ -223,35 +223,32 @@ def main() -> None:
 
 
 def profile_run(engine, jobs: list, top: int = 30) -> None:
-    """The jobs concurrently under cProfile and (on CUDA) torch.profiler; prints where the time
-    goes."""
+    """The jobs concurrently under cProfile and (on CUDA) torch.profiler's kernel times
+    (`harness.kernel_times`); prints where the time goes."""
     import cProfile
     import io
     import pstats
 
-    # the device's kernels only: recording every host op as well slows the run several-fold
-    activities = ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available()
-                  else [torch.profiler.ProfilerActivity.CPU])
+    results = []
     host = cProfile.Profile()
-    with torch.profiler.profile(activities=activities) as device:
-        host.enable()
-        result = run(engine, jobs, concurrent=True)
-        host.disable()
-    kernels = [e for e in device.key_averages() if e.device_time_total > 0]
-    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
-    busy = sum(e.device_time_total for e in kernels) / 1e6
+    host.enable()
+    if torch.cuda.is_available():
+        kernels = harness.kernel_times(lambda: results.append(run(engine, jobs, True)), iters=1)
+    else:  # no device kernels
+        kernels = {}
+        results.append(run(engine, jobs, concurrent=True))
+    host.disable()
+    result = results[0]
+    busy = sum(k.us for k in kernels.values()) / 1e6
     print(f"profiled run: {result['seconds']:.2f} s wall ({result['start_seconds']:.2f} s "
           f"starting jobs), device busy {busy:.2f} s; backward windows "
           f"{result['backward_windows']}")
-    for e in kernels[:top]:
-        print(f"  {e.device_time_total / 1e6:8.3f} s  {e.count:7d}x  {e.key[:100]}")
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(top)
-    print(text.getvalue())
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(top)
-    print(text.getvalue())
-
+    for name, k in sorted(kernels.items(), key=lambda item: -item[1].us)[:top]:
+        print(f"  {k.us / 1e6:8.3f} s  {k.launches:7.0f}x  {name[:100]}")
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats(order).print_stats(top)
+        print(text.getvalue())
 
 if __name__ == "__main__":
     main()

@@ -106,7 +106,7 @@ class LLMEngine:
     @staticmethod
     def _load_latency_profile(config: EngineConfig, info: ModelInfo) -> LatencyModel | None:
         """The `flexserve profile` result for this device, model and dtype, if one exists."""
-        path = config.coserve.latency_profile
+        path, tp = config.coserve.latency_profile, config.parallel.tensor_parallel_size
         if path is not None:
             model = LatencyModel.load(path)
         elif config.parallel.pipeline_parallel_size > 1:
@@ -116,14 +116,12 @@ class LLMEngine:
                         config.parallel.pipeline_parallel_size)
             return None
         else:
-            tp = config.parallel.tensor_parallel_size
             model = load_matching_profile(envs.home(), info.device_name, info.name,
                                           info.dtype, tp)
             path = profile_path(envs.home(), info.device_name, info.name, info.dtype, tp)
         if model is None:
-            tp = config.parallel.tensor_parallel_size
-            # Measured on two H200s: without a profile at 2 ranks the learned windows outgrew
-            # the TPOT SLO (docs/benchmarks.md, "Co-serving at 2 ranks"); with one they held it.
+            # Above one rank the learned windows can outgrow the SLO before they are right
+            # (docs/benchmarks.md, "Co-serving at 2 ranks").
             logger.log(logging.WARNING if tp > 1 else logging.INFO,
                        "no latency profile at %s: fine-tuning windows start small and grow "
                        "from measured iterations (run `flexserve profile%s` to calibrate)", path,
