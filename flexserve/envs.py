@@ -18,6 +18,7 @@ WINDOW_ATTENTION = "FLEXSERVE_WINDOW_ATTENTION"
 KERNELS = "FLEXSERVE_KERNELS"
 CUDA_EXT = "FLEXSERVE_CUDA_EXT"
 LORA_DECODE_BACKEND = "FLEXSERVE_LORA_DECODE_BACKEND"
+LORA_PREFILL_BACKEND = "FLEXSERVE_LORA_PREFILL_BACKEND"
 # Triton's own switch, parsed here as Triton parses it, since flexserve's dispatch depends on it.
 TRITON_INTERPRET = "TRITON_INTERPRET"
 
@@ -29,6 +30,8 @@ KERNELS_BACKENDS = ("auto", "torch")
 DEFAULT_KERNELS = "auto"
 LORA_DECODE_BACKENDS = ("auto", "cuda", "triton")
 DEFAULT_LORA_DECODE_BACKEND = "auto"
+LORA_PREFILL_BACKENDS = ("auto", "sgmv")
+DEFAULT_LORA_PREFILL_BACKEND = "auto"
 
 _TRUE = ("1", "true", "on", "yes", "y")
 _FALSE = ("0", "false", "off", "no")
@@ -94,3 +97,10 @@ def cuda_ext_enabled() -> bool:
 def lora_decode_backend() -> str:
     """FLEXSERVE_LORA_DECODE_BACKEND: which kernels run LoRA in decode (auto, cuda or triton)."""
     return _choice(LORA_DECODE_BACKEND, DEFAULT_LORA_DECODE_BACKEND, LORA_DECODE_BACKENDS)
+
+
+def lora_prefill_backend() -> str:
+    """FLEXSERVE_LORA_PREFILL_BACKEND: which kernels run LoRA in prefill-sized batches: auto
+    (LoRAFusion's fused kernels where `flexserve_kernels.lora.serve.ops.fuses_batch` takes the
+    batch) or sgmv (the SGMV shrink and expand around the frozen GEMM). Read once per process."""
+    return _choice(LORA_PREFILL_BACKEND, DEFAULT_LORA_PREFILL_BACKEND, LORA_PREFILL_BACKENDS)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_defaults(monkeypatch):
     for name in (envs.HOME, envs.API_KEY, envs.ITERATION_TRACE, envs.STALL_DUMP_S,
                  envs.WINDOW_ATTENTION, envs.KERNELS, envs.CUDA_EXT, envs.LORA_DECODE_BACKEND,
-                 envs.TRITON_INTERPRET):
+                 envs.LORA_PREFILL_BACKEND, envs.TRITON_INTERPRET):
         monkeypatch.delenv(name, raising=False)
     assert envs.home() == os.path.expanduser("~/.cache/flexserve")
     assert envs.api_key() is None
@@ -27,6 +27,7 @@ def test_defaults(monkeypatch):
     assert envs.kernels_backend() == "auto"
     assert envs.cuda_ext_enabled()
     assert envs.lora_decode_backend() == "auto"
+    assert envs.lora_prefill_backend() == "auto"
     assert not envs.triton_interpret()
 
 
@@ -53,6 +54,7 @@ def test_values_are_read_at_call_time(monkeypatch, tmp_path):
     (envs.WINDOW_ATTENTION, envs.window_attention, ("FLASH", "cudnn-buckets"), "cudnn"),
     (envs.KERNELS, envs.kernels_backend, ("torch", "AUTO"), "triton"),
     (envs.LORA_DECODE_BACKEND, envs.lora_decode_backend, ("cuda", "TRITON", "auto"), "cutlass"),
+    (envs.LORA_PREFILL_BACKEND, envs.lora_prefill_backend, ("SGMV", "auto"), "fused"),
 ])
 def test_choices_are_lowercased_and_checked(monkeypatch, name, read, good, bad):
     for value in good:
@@ -85,3 +87,15 @@ def test_no_other_module_reads_a_flexserve_variable():
                  for path in (ROOT / folder).rglob("*.py")
                  if path.name != "envs.py" and pattern.search(path.read_text())]
     assert offenders == []
+
+
+@pytest.mark.parametrize("value, fused", [("auto", True), ("sgmv", False)])
+def test_the_lora_ops_read_the_prefill_backend_once_at_import(value, fused):
+    """FLEXSERVE_LORA_PREFILL_BACKEND=sgmv keeps prefill-sized batches off the fused kernels."""
+    import subprocess
+    import sys
+
+    code = "import flexserve_kernels.lora.serve.ops as ops; print(ops._FUSED_PREFILL)"
+    env = dict(os.environ, **{envs.LORA_PREFILL_BACKEND: value})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(fused)

@@ -761,6 +761,11 @@ for C in {json.dumps(c, sort_keys=True): c for c in (load_configs(CONFIGS_DIR, n
         compile_one(kb._lora_train_dx_bwd_kernel, dict(HAS_DROPOUT=True, SPLIT_DS=True, BLOCK_M=t["block_m"],
                                                        BLOCK_N=t["block_n"], BLOCK_K=16, BLOCK_R=rank, GROUP_M=4),
                     t["num_warps"], 1)
+        # The engine's forward term (`lora_linear_term`, S in fp32).
+        t = by_rank(C["lora_linear_term"]["by_rank"], rank)
+        compile_one(kf._lora_train_linear_fwd_kernel, dict(BLOCK_M=t["block_m"], BLOCK_N=t["block_n"], BLOCK_K=16,
+                                                           BLOCK_R=rank, GROUP_M=4), t["num_warps"], 1,
+                    fp32={"s_ptr"})
     # 4's term and 5 in one pass, with the launcher's tiles, up to the rank it takes.
     for rank in (16, 32, kb.MAX_TERM_DA_RANK):
         for split_ds in (False, True):

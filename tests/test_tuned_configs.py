@@ -76,6 +76,8 @@ def test_every_file_carries_the_launchers_settings(name):
         assert (t["block_m"], t["block_k"], t["num_warps"], t["per_sm"]) == old_da(rank), rank
         t = by_rank(c["lora_train_dx_term"]["by_rank"], rank)
         assert (t["block_m"], t["block_n"], t["num_warps"]) == old_dx_term(rank), rank
+        t = by_rank(c["lora_linear_term"]["by_rank"], rank)
+        assert (t["block_m"], t["block_n"], t["num_warps"]) == ((64, 128, 4) if rank <= 64 else (64, 128, 8)), rank
         if rank <= 64:  # MAX_TERM_DA_RANK
             t = by_rank(c["lora_train_dx_term_da_bwd"]["by_rank"], rank)
             assert (t["block_m"], t["block_k"], t["num_warps"], t["per_sm"]) == old_term_da(rank), rank

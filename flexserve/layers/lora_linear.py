@@ -9,6 +9,12 @@ which adds exact zeros). Which slot each token uses comes from the step's `LoRAK
 once by the model runner and read here from the forward context. A step whose tokens all use the
 base model runs only the GEMM.
 
+On the GPU path a projection group (`flexserve.model.llama.MergedProjection`: q/k/v, o, gate/up,
+down) of a prefill-sized batch runs as LoRAFusion's kernels instead (`lora_group_forward`):
+kernel 1 for each shrink, kernel 2's term written into the output, and the frozen GEMM adding
+x W^T to it as its C operand, so the output is written once and read once by the GEMM rather
+than written by the GEMM and read and written again by the expand.
+
 While a fine-tuning forward window is in the batch (a `FinetuneCapture` in the forward context),
 the capture runs the shrink (`FinetuneCapture.lora_shrink`): its rows get LoRA dropout on the
 shrink input, hashed in registers by fused LoRA kernel 1 on the GPU, and their `{target}_base`,
@@ -25,7 +31,14 @@ from torch import nn
 from flexserve.layers.forward_context import get_forward_context
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora.serve.cuda_ext import cuda_decode_replaces_fused
-from flexserve_kernels.lora.serve.ops import BGMV_MAX_TOKENS, lora_expand, lora_shrink
+from flexserve_kernels.lora.serve.ops import (
+    BGMV_MAX_TOKENS,
+    fuses_batch,
+    lora_expand,
+    lora_linear_term,
+    lora_shrink,
+    lora_shrink_fused,
+)
 
 # Projections whose decode-sized batches take the fused shrink+expand kernel. down_proj stays on
 # the BGMV pair: its shrink reads a 14336-wide A, which the fused kernel would re-read per output
@@ -162,6 +175,38 @@ def add_lora(modules: tuple[nn.Module, ...], x: torch.Tensor, outputs: tuple[tor
         return
     for module, y in zip(modules, outputs):
         lora_expand(lora_shrink(x, module.lora_a, meta), module.lora_b, meta, y, module.scaling)
+
+
+def lora_group_forward(modules: tuple[nn.Module, ...], x: torch.Tensor, weight: torch.Tensor, meta,
+                       capture=None) -> torch.Tensor | None:
+    """y [T, sum(out)] = x W^T plus each projection's LoRA bypass in its column slice, W the
+    group's weight rows (the projections' weights stacked), as LoRAFusion's kernels: per
+    projection kernel 1's shrink (dropout through `capture`, a `FinetuneCapture`, which also takes
+    `{target}_s`) and kernel 2's term written into its slice, then one GEMM adding x W^T with y as
+    its C operand. None where the SGMV/BGMV path runs instead (`fuses_batch`, no adapter weights
+    in the batch for the group, or a capture that keeps a `{target}_base`, which this path never
+    holds apart): the caller then runs the GEMM and `add_lora` / `add_captured_bypass`."""
+    if not isinstance(modules[0], LoRALinear) or meta is None or not fuses_batch(x, meta, modules[0].max_rank):
+        return None
+    if not any(m.has_weights_for(meta) for m in modules):
+        return None
+    if capture is not None and any(capture.wants(m.layer_idx, f"{m.target}_base") for m in modules):
+        return None
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    start = 0
+    for module in modules:
+        part = y[:, start:start + module.out_features]
+        start += module.out_features
+        if not module.has_weights_for(meta):
+            part.zero_()
+            continue
+        if capture is None:
+            s = lora_shrink_fused(x, module.lora_a, meta)
+        else:
+            s = capture.lora_shrink(module, x, meta, fused=True)
+            capture.take_lora_shrink(module, s)
+        lora_linear_term(s, module.lora_b, meta, module.scaling, part)
+    return y.addmm_(x, weight.t())
 
 
 def folds_batch(x: torch.Tensor, meta) -> bool:

@@ -43,7 +43,7 @@ from flexserve.layers.activation import silu_and_mul
 from flexserve.layers.attention import Attention
 from flexserve.layers.forward_context import get_forward_context
 from flexserve.layers.linear import dense
-from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch
+from flexserve.layers.lora_linear import LoRALinear, add_lora, folds_batch, lora_group_forward
 from flexserve.layers.rmsnorm import RMSNorm
 from flexserve.layers.rotary import RopeInputs, RotaryEmbedding
 from flexserve.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -172,8 +172,8 @@ class MergedProjection:
         """(y, bypass): the group's output y [T, sum(sizes)] and, for a decode-sized batch with
         adapters through the folded GEMM, its LoRA bypass still to be expanded into y (by the
         caller's consumer kernel or `FoldedLoRA.expand`); otherwise the bypass is added, None."""
+        meta = get_forward_context().lora_meta
         if self.folded is not None:
-            meta = get_forward_context().lora_meta
             if meta is not None and meta.has_lora and folds_batch(x, meta):
                 out = dense(x, self.folded, self.folded_bias)
                 num_rows = self.weight.shape[0]
@@ -181,8 +181,10 @@ class MergedProjection:
                     return out[:, :num_rows], None
                 return out[:, :num_rows], FoldedLoRA(out[:, num_rows:], self.lora_b, self.scaling,
                                                      meta.token_slots, tuple(self.sizes))
-        y = dense(x, self.weight, self.bias)
-        add_lora(linears, x, y.split(self.sizes, dim=-1))
+        y = None if self.bias is not None else lora_group_forward(linears, x, self.weight, meta)
+        if y is None:
+            y = dense(x, self.weight, self.bias)
+            add_lora(linears, x, y.split(self.sizes, dim=-1), meta)
         return y, None
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
@@ -341,9 +343,14 @@ def _project_captured(group: MergedProjection, linears: tuple[nn.Module, ...], x
                       meta: Any, capture: Any) -> Sequence[torch.Tensor]:
     """The projections' outputs under a fine-tuning capture, each with its LoRA bypass added
     and its tensors handed to `capture` (`LoRALinear.add_captured_bypass`): on the merged (GPU)
-    path column slices of one GEMM over the group's weight rows, as in `forward`; otherwise one
+    path column slices of one GEMM over the group's weight rows, as in `forward` (LoRAFusion's
+    kernels where `lora_group_forward` takes the batch); otherwise one
     `F.linear` per projection, the arithmetic of calling them, without a module call each."""
     if group.weight is not None:
+        if group.bias is None:
+            y = lora_group_forward(linears, x, group.weight, meta, capture)
+            if y is not None:
+                return y.split(group.sizes, dim=-1)
         outputs = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
     else:
         outputs = [F.linear(x, m.weight, m.bias) for m in linears]

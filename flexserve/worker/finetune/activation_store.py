@@ -35,7 +35,12 @@ from flexserve.worker.finetune.activation_arena import ActivationArena
 from flexserve.worker.finetune.activation_offload import HostOffload
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora.serve.meta import DropoutWindows
-from flexserve_kernels.lora.serve.ops import MAX_WINDOW_RANK, lora_shrink, lora_window_shrink
+from flexserve_kernels.lora.serve.ops import (
+    MAX_WINDOW_RANK,
+    lora_shrink,
+    lora_shrink_fused,
+    lora_window_shrink,
+)
 from flexserve_kernels.lora.train.ref import dropout_keep_ref, row_seed
 
 COMPRESSIONS = ("bitmask",)
@@ -455,15 +460,17 @@ class FinetuneCapture:
         for w in self._keepers.get((layer, name), ()):
             w.store.write(layer, name, w.start, tensor[w.rows])
 
-    def lora_shrink(self, module: Any, x: torch.Tensor, meta: Any) -> torch.Tensor:
+    def lora_shrink(self, module: Any, x: torch.Tensor, meta: Any, fused: bool = False) -> torch.Tensor:
         """A `LoRALinear`'s shrink s [T, max_rank] (fp32) of x (`LoRAKernelMeta` meta) with LoRA
         dropout on the rows of windows whose job drops out this target: one `lora_window_shrink`
         (on the GPU, fused LoRA kernel 1 hashes every window's mask in registers while it reads x
         once); where a window's plan keeps the dropout output or the mask, or the slot is wider
-        than that shrink takes, the masked x as a tensor (`lora_input`) through `lora_shrink`."""
+        than that shrink takes, the masked x as a tensor (`lora_input`) through `lora_shrink`.
+        Without dropout, `lora_shrink`, or kernel 1 (`lora_shrink_fused`) when `fused` (the
+        caller runs kernel 2 after it: `lora_linear.lora_group_forward`)."""
         target, layer = module.target, module.layer_idx
         if target not in self._dropout_targets:
-            return lora_shrink(x, module.lora_a, meta)
+            return (lora_shrink_fused if fused else lora_shrink)(x, module.lora_a, meta)
         if module.max_rank > MAX_WINDOW_RANK or self._keeps_dropout_tensors(layer, target):
             return lora_shrink(self.lora_input(module, x), module.lora_a, meta)
         if layer < 0:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from flexserve.worker.finetune.activation_arena import ActivationArena
-from flexserve_kernels.lora.serve.ops import lora_shrink
+from flexserve_kernels.lora.serve.ops import lora_shrink, lora_shrink_fused
 
 # Names a graph capture cannot keep: they need per-window work (dropout, per-slot deltas).
 UNSUPPORTED_SUFFIXES = ("_delta", "_xd", "_mask")
@@ -61,8 +61,8 @@ class GraphCapture:
         target = self.arena.tensor(layer, name, spec.width, spec.dtype)
         copy_rows(target, self.dest, tensor, self.src, self.count)
 
-    def lora_shrink(self, module: Any, x: torch.Tensor, meta: Any) -> torch.Tensor:
-        return lora_shrink(x, module.lora_a, meta)
+    def lora_shrink(self, module: Any, x: torch.Tensor, meta: Any, fused: bool = False) -> torch.Tensor:
+        return (lora_shrink_fused if fused else lora_shrink)(x, module.lora_a, meta)
 
     def lora_input(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         return x

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from flexserve import envs
 from flexserve_kernels.dispatch import use_triton
 from flexserve_kernels.lora.serve import cuda_ext
 from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
@@ -27,6 +28,11 @@ VARIANTS = ("sgmv", "bgmv")
 BGMV_MAX_TOKENS = 64
 # The widest slot `lora_window_shrink` takes (fused LoRA kernel 1's accumulator: 128 columns).
 MAX_WINDOW_RANK = 128
+# A batch takes LoRAFusion's kernels (`fuses_batch`) when it has at least this many tokens per
+# LoRA segment: kernel 2's term walks the segments a row tile overlaps one after another, so
+# a tile meets at most about one segment beyond its own then.
+FUSED_MIN_SEGMENT_TOKENS = 64
+_FUSED_PREFILL = envs.lora_prefill_backend() == "auto"
 
 
 def lora_shrink(
@@ -79,6 +85,47 @@ def lora_window_shrink(
     from flexserve_kernels.lora.train.ref import lora_window_shrink_ref
 
     return lora_window_shrink_ref(x, lora_a, meta, windows, group)
+
+
+def fuses_batch(x: torch.Tensor, meta: LoRAKernelMeta, max_rank: int) -> bool:
+    """Whether a batch's LoRA linears run as LoRAFusion's kernels (`lora_shrink_fused`, then
+    `lora_linear_term` under the frozen GEMM) rather than the SGMV/BGMV pair: prefill-sized
+    batches on the Triton path (more than BGMV_MAX_TOKENS tokens, not decode-only, at least
+    FUSED_MIN_SEGMENT_TOKENS tokens per segment, slots up to MAX_WINDOW_RANK wide) that run
+    eagerly. Measured faster at every Llama-3.1-8B projection group from 256 to 8192 tokens on an
+    H200 (`benchmarks/kernels/lora_engine_forward.py`, docs/benchmarks.md). Batches of a CUDA
+    graph (metadata with a `tile_map`) keep the SGMV pair: kernel 1's split-K counters live in a
+    scratch buffer zeroed when first allocated, and a first allocation inside a capture is
+    recorded there, not run."""
+    return (_FUSED_PREFILL and meta.tile_map is None and use_triton(x.device) and meta.has_lora
+            and not meta.decode_only
+            and meta.num_tokens > BGMV_MAX_TOKENS and max_rank <= MAX_WINDOW_RANK
+            and meta.num_segments * FUSED_MIN_SEGMENT_TOKENS <= meta.num_tokens)
+
+
+def lora_shrink_fused(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelMeta) -> torch.Tensor:
+    """`lora_shrink` as LoRAFusion's kernel 1 without dropout (s float32 [T, max_rank], zero rows
+    for tokens without an adapter): one read of x per segment tile, its in-features split over
+    the GPU's SMs. The torch reference off the Triton path."""
+    if not use_triton(x.device):
+        check_shrink_args(x, lora_a, meta)
+        return lora_shrink_ref(x, lora_a, meta)
+    from flexserve_kernels.lora.train.fused import lora_train_shrink_fwd
+
+    return lora_train_shrink_fwd(x, lora_a, meta, None, 0, out_dtype=torch.float32)
+
+
+def lora_linear_term(s: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, scaling: torch.Tensor,
+                     y: torch.Tensor) -> torch.Tensor:
+    """y[t] = scaling[slot(t)] * s[t] @ lora_b[slot(t)].T written into y (not added: rows of
+    tokens without an adapter become zero), for a GEMM that adds x W^T with y as its C operand:
+    LoRAFusion's kernel 2 in its cuBLAS form. The torch reference off the Triton path."""
+    if not use_triton(y.device):
+        check_expand_args(s, lora_b, meta, y, scaling)
+        return lora_expand_ref(s, lora_b, meta, y.zero_(), scaling)
+    from flexserve_kernels.lora.train.fused import lora_linear_term as term
+
+    return term(s, lora_b, meta, scaling, y)
 
 
 def lora_expand(

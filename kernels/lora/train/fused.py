@@ -40,7 +40,7 @@ from flexserve_kernels.lora.dropout_hash import (
 from flexserve_kernels.lora.serve.meta import DropoutWindows, LoRAKernelMeta
 from flexserve_kernels.lora.serve.shrink import check_launchable, target_programs
 from flexserve_kernels.lora.train.configs import CONFIGS_DIR, train_configs
-from flexserve_kernels.tuned_configs import device_name, load_configs
+from flexserve_kernels.tuned_configs import by_rank, device_name, load_configs
 
 _HASH_TOKEN = tl.constexpr(HASH_TOKEN)
 _HASH_COLUMN = tl.constexpr(HASH_COLUMN)
@@ -340,6 +340,42 @@ def _lora_train_linear_fwd_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def lora_linear_term(s: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, scalings: torch.Tensor,
+                     y: torch.Tensor, *, blocks: tuple[int, int] | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """Kernel 2's LoRA term alone, written into y [T, out] (a column slice of a wider output is
+    fine): y[t] = scalings[slot(t)] * S[t] B[slot(t)]^T, zero rows for tokens without an adapter,
+    for a caller whose GEMM then adds x W^T with y as its C operand (`addmm_`: kernel 2's "blas"
+    form). s [T, max_rank] (fp32 or y's dtype), lora_b [slots, out, max_rank] (any row strides),
+    scalings [slots] float32. Fixed tiles (by rank, configs `lora_linear_term`), no autotuning:
+    the engine calls this with every batch size, in CUDA graph captures too, and must not stop to
+    tune."""
+    check_launchable(s, _lora_train_linear_fwd_kernel)
+    num_tokens, (out_size, max_rank) = s.shape[0], lora_b.shape[1:]
+    if s.shape[1] != max_rank or s.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
+        raise ValueError(f"S must be [T, {max_rank}] and lora_b and y contiguous in their last dimension")
+    if tuple(y.shape) != (num_tokens, out_size):
+        raise ValueError(f"y must be [{num_tokens}, {out_size}], got {tuple(y.shape)}")
+    if num_tokens == 0:
+        return y
+    if not meta.has_lora:
+        return y.zero_()
+    tuned = by_rank(train_configs(s.device)["lora_linear_term"]["by_rank"], max_rank)
+    block_m, block_n = blocks or (tuned["block_m"], tuned["block_n"])
+    num_warps = num_warps or tuned["num_warps"]
+    if s.device.type != "cuda":
+        block_m, block_n, num_warps = 16, 32, 4
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
+    _lora_train_linear_fwd_kernel[grid](
+        s, lora_b, y, meta.token_slots, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        scalings, num_tokens, out_size, max_rank, triton.next_power_of_2(num_tokens), s.stride(0),
+        lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=16, BLOCK_R=rank_block(max_rank), GROUP_M=4,
+        num_warps=num_warps, num_stages=1,
+    )
+    return y
+
+
 def gemm_configs(candidates: list[dict], extras: tuple[str, ...] = ()) -> list[triton.Config]:
     """triton.Configs of a configs file's candidates (block_m, block_n, block_k, num_warps,
     num_stages, then the constexprs named in `extras` in upper case), grouped 8 row tiles."""
@@ -525,7 +561,8 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
                           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Kernel 1: S [T, r_max] = dropout(x) A[slot]^T in x's dtype (or out_dtype), zero rows for tokens
     without an adapter. Dropout is each slot's p (`slots`) under `seed`, or with `windows` (a
-    `DropoutWindows` and its group; slots and seed are then not read) each row's window's.
+    `DropoutWindows` and its group; slots and seed are then not read) each row's window's; with
+    neither (slots None), none.
 
     On CUDA, in_size is split (`shrink_split_plan`) until about the configs' per_sm programs per SM
     (`per_sm`), or into `num_splits` chunks; partials are summed in a fixed order by each row
@@ -542,7 +579,11 @@ def lora_train_shrink_fwd(x: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKerne
     if not meta.has_lora:
         return s
     cuda = x.device.type == "cuda"
-    if windows is None:
+    if windows is None and slots is None:
+        dropout_ps, has_dropout = s, False  # not read
+        win_bounds = win_table = s
+        num_windows = group = 0
+    elif windows is None:
         dropout_ps, has_dropout = slots.dropout_ps, slots.has_dropout
         win_bounds = win_table = s  # not read
         num_windows = group = 0
