@@ -195,7 +195,9 @@ class MixedGraphRunner:
         if lora:
             starts, lens, slots, token_slots = _segments(q_lens, step.row_slots)
             pad = rows - len(lens)
-            ints.append(np.concatenate([starts, np.zeros(pad, np.int32)]))
+            # Padding segments start past every token (and hold none), so the starts stay sorted
+            # for `token_segments`' binary search (the fused LoRA kernels' mixed row tiles).
+            ints.append(np.concatenate([starts, np.full(pad, tokens, np.int32)]))
             ints.append(np.concatenate([lens, np.zeros(pad, np.int32)]))
             ints.append(np.concatenate([slots, np.zeros(pad, np.int32)]))
             ints.append(segment_tile_map(lens, LORA_BLOCK_M, self._lora_tiles(tokens, rows)).ravel())

@@ -91,14 +91,11 @@ def fuses_batch(x: torch.Tensor, meta: LoRAKernelMeta, max_rank: int) -> bool:
     """Whether a batch's LoRA linears run as LoRAFusion's kernels (`lora_shrink_fused`, then
     `lora_linear_term` under the frozen GEMM) rather than the SGMV/BGMV pair: prefill-sized
     batches on the Triton path (more than BGMV_MAX_TOKENS tokens, not decode-only, at least
-    FUSED_MIN_SEGMENT_TOKENS tokens per segment, slots up to MAX_WINDOW_RANK wide) that run
-    eagerly. Measured faster at every Llama-3.1-8B projection group from 256 to 8192 tokens on an
-    H200 (`benchmarks/kernels/lora_engine_forward.py`, docs/benchmarks.md). Batches of a CUDA
-    graph (metadata with a `tile_map`) keep the SGMV pair: kernel 1's split-K counters live in a
-    scratch buffer zeroed when first allocated, and a first allocation inside a capture is
-    recorded there, not run."""
-    return (_FUSED_PREFILL and meta.tile_map is None and use_triton(x.device) and meta.has_lora
-            and not meta.decode_only
+    FUSED_MIN_SEGMENT_TOKENS tokens per segment, slots up to MAX_WINDOW_RANK wide), eager or in
+    a CUDA graph. Measured faster at every Llama-3.1-8B projection group from 256 to 8192 tokens on an H200
+    (`benchmarks/kernels/lora_engine_forward.py`, docs/benchmarks.md). Host values only, which a
+    CUDA graph's metadata fixes per bucket (its segment count is its row count)."""
+    return (_FUSED_PREFILL and use_triton(x.device) and meta.has_lora and not meta.decode_only
             and meta.num_tokens > BGMV_MAX_TOKENS and max_rank <= MAX_WINDOW_RANK
             and meta.num_segments * FUSED_MIN_SEGMENT_TOKENS <= meta.num_tokens)
 

@@ -516,7 +516,14 @@ def launch_scratch(owner: str, device: torch.device, count: int, dtype: torch.dt
     split counters by token; "tma_tail" and "tma_tail_parts", kernel 2's tail-split counters by
     tile and fp32 partial tiles), zeroed once and cached per owner, device, stream and dtype, so a
     launch allocates nothing: launches on one stream never overlap, and counters stay zero between
-    launches because the last program of each split resets its own."""
+    launches because the last program of each split resets its own.
+
+    Inside a CUDA graph capture, a buffer of the graph's own (zeroed by each replay): a zero fill
+    issued during a capture is recorded, not run, so a cached buffer first made there would hold
+    garbage for every other launch; and graphs replayed on different streams must not share
+    counters."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=dtype, device=device)
     key = (owner, device, current_stream_handle(device), dtype)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < count:
@@ -537,6 +544,8 @@ def column_keys(device: torch.device, in_size: int) -> torch.Tensor:
         cols = torch.arange(max(4096, triton.next_power_of_2(in_size)), dtype=torch.int64, device=device)
         mixed = mix32_ref((cols * HASH_COLUMN) & 0xFFFFFFFF)
         keys = torch.where(mixed >= 2**31, mixed - 2**32, mixed).to(torch.int32)  # the same 32 bits
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return keys  # computed by the graph's replays; not cached (`launch_scratch`)
         _COLUMN_KEYS[device] = keys
     return keys
 
