@@ -250,5 +250,6 @@ def profile_run(engine, jobs: list, top: int = 30) -> None:
         pstats.Stats(host, stream=text).sort_stats(order).print_stats(top)
         print(text.getvalue())
 
+
 if __name__ == "__main__":
     main()

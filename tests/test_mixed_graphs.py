@@ -20,7 +20,13 @@ from flexserve import LLM, SamplingParams
 from flexserve.finetune.data import TrainingData, TrainingExample
 from flexserve.finetune.hyperparameters import Hyperparameters
 from flexserve.worker.finetune.activation_arena import ActivationArena
-from flexserve.worker.mixed_graphs import _segments, bucket, row_buckets, token_buckets
+from flexserve.worker.mixed_graphs import (
+    _padded_segments,
+    _segments,
+    bucket,
+    row_buckets,
+    token_buckets,
+)
 from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 from _hf_training import save_random_peft_adapter, train_hf_peft
@@ -54,6 +60,29 @@ def test_segments_match_meta_build(seed):
     assert seg_lens.tolist() == meta.seg_lens.tolist()
     assert seg_slots.tolist() == meta.seg_slots.tolist()
     assert token_slots.tolist() == meta.token_slots.tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_padded_segments_keep_each_token_in_its_segment(seed):
+    """A graph's segment arrays padded to its rows: every real token still finds its segment by
+    the binary search of `token_segments` (the fused LoRA kernels' mixed tiles), padding tokens
+    none."""
+    from flexserve_kernels.lora.train.fused import token_segments
+
+    rng = np.random.default_rng(seed)
+    num_rows = int(rng.integers(2, 12))
+    lens = rng.integers(1, 9, num_rows)
+    slots = rng.integers(-1, 3, num_rows).tolist()
+    rows, tokens = num_rows + 4, int(lens.sum()) + 5
+    starts, seg_lens, seg_slots, token_slots = _padded_segments(lens, slots, rows, tokens)
+    as_int = lambda v: torch.tensor(np.asarray(v), dtype=torch.int32)  # noqa: E731
+    padded = LoRAKernelMeta(
+        token_slots=as_int(np.concatenate([token_slots, np.full(tokens - len(token_slots), -1)])),
+        seg_starts=as_int(starts), seg_lens=as_int(seg_lens), seg_slots=as_int(seg_slots),
+        num_tokens=tokens, max_seg_len=tokens, decode_only=False)
+    compact = LoRAKernelMeta.build(lens.tolist(), slots, "cpu")
+    want = token_segments(compact).tolist() + [-1] * (tokens - int(lens.sum()))
+    assert len(starts) == rows and token_segments(padded).tolist() == want
 
 
 def test_arena_allocates_first_fit_and_clears():

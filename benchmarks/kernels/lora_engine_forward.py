@@ -106,12 +106,7 @@ def bench_case(group: str, in_size: int, sizes: tuple[int, ...], tokens: int, ad
     from flexserve.layers.lora_linear import lora_group_forward
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
     from flexserve_kernels.lora.serve.ops import lora_expand, lora_shrink, lora_shrink_fused
-    from flexserve_kernels.lora.train.fused import (
-        LoRATrainSlots,
-        lora_linear_term,
-        lora_train_shrink_fwd,
-        token_segments,
-    )
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots, lora_linear_term, token_segments
     from flexserve_kernels.lora.train.fused_tma import MAX_TMA_RANK
     from flexserve_kernels.lora.train.linear import lora_train_linear_fwd
 
@@ -137,7 +132,7 @@ def bench_case(group: str, in_size: int, sizes: tuple[int, ...], tokens: int, ad
         return run
 
     def kernel1(a):
-        return lora_train_shrink_fwd(x, a, meta, slots, 0, out_dtype=torch.float32)
+        return lora_shrink_fused(x, a, meta)
 
     modules = lora_linears(weight, sizes, lora_as, lora_bs, scaling)
 

@@ -188,16 +188,17 @@ def lora_group_forward(modules: tuple[nn.Module, ...], x: torch.Tensor, weight: 
     holds apart): the caller then runs the GEMM and `add_lora` / `add_captured_bypass`."""
     if not isinstance(modules[0], LoRALinear) or meta is None or not fuses_batch(x, meta, modules[0].max_rank):
         return None
-    if not any(m.has_weights_for(meta) for m in modules):
+    active = [m.has_weights_for(meta) for m in modules]
+    if not any(active):
         return None
     if capture is not None and any(capture.wants(m.layer_idx, f"{m.target}_base") for m in modules):
         return None
     y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     start = 0
-    for module in modules:
+    for module, has_weights in zip(modules, active):
         part = y[:, start:start + module.out_features]
         start += module.out_features
-        if not module.has_weights_for(meta):
+        if not has_weights:
             part.zero_()
             continue
         if capture is None:

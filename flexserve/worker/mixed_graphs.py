@@ -193,13 +193,8 @@ class MixedGraphRunner:
                                      attn_tiles, last_tile_first=True).ravel())
         lora = step.lora_key is not None
         if lora:
-            starts, lens, slots, token_slots = _segments(q_lens, step.row_slots)
-            pad = rows - len(lens)
-            # Padding segments start past every token (and hold none), so the starts stay sorted
-            # for `token_segments`' binary search (the fused LoRA kernels' mixed row tiles).
-            ints.append(np.concatenate([starts, np.full(pad, tokens, np.int32)]))
-            ints.append(np.concatenate([lens, np.zeros(pad, np.int32)]))
-            ints.append(np.concatenate([slots, np.zeros(pad, np.int32)]))
+            starts, lens, slots, token_slots = _padded_segments(q_lens, step.row_slots, rows, tokens)
+            ints += [starts, lens, slots]
             ints.append(segment_tile_map(lens, LORA_BLOCK_M, self._lora_tiles(tokens, rows)).ravel())
             ints.append(token_slots)
         packed32 = to_device(torch.from_numpy(np.concatenate(ints)), self.device)
@@ -401,6 +396,19 @@ class MixedGraphRunner:
 def _kept_key(kept: dict[tuple[int, str], KeptTensor]) -> tuple:
     """The hashable form of a capture's kept tensors (part of a graph key)."""
     return tuple(sorted((k, v.width, str(v.dtype)) for k, v in kept.items()))
+
+
+def _padded_segments(q_lens: np.ndarray, row_slots: list[int], rows: int, tokens: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`_segments` with the segment arrays padded to `rows` entries for a graph of `tokens`
+    tokens: the padding segments hold no token and start at `tokens`, past every token, so the
+    starts stay sorted for `token_segments`' binary search (the fused LoRA kernels' mixed row
+    tiles)."""
+    starts, lens, slots, token_slots = _segments(q_lens, row_slots)
+    pad = rows - len(lens)
+    return (np.concatenate([starts, np.full(pad, tokens, np.int32)]),
+            np.concatenate([lens, np.zeros(pad, np.int32)]),
+            np.concatenate([slots, np.zeros(pad, np.int32)]), token_slots)
 
 
 def _segments(q_lens: np.ndarray, row_slots: list[int]

@@ -340,6 +340,18 @@ def _lora_train_linear_fwd_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def term_tiles(op: str, max_rank: int, device: torch.device, blocks: tuple[int, int] | None = None,
+               num_warps: int | None = None) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) of a LoRA term launcher with fixed tiles (configs `op`,
+    `by_rank`), `blocks` and `num_warps` overriding them; small tiles on the CPU (the
+    interpreter's tests)."""
+    if device.type != "cuda":
+        return 16, 32, 4
+    tuned = by_rank(train_configs(device)[op]["by_rank"], max_rank)
+    block_m, block_n = blocks or (tuned["block_m"], tuned["block_n"])
+    return block_m, block_n, num_warps or tuned["num_warps"]
+
+
 def lora_linear_term(s: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta, scalings: torch.Tensor,
                      y: torch.Tensor, *, blocks: tuple[int, int] | None = None,
                      num_warps: int | None = None) -> torch.Tensor:
@@ -360,11 +372,7 @@ def lora_linear_term(s: torch.Tensor, lora_b: torch.Tensor, meta: LoRAKernelMeta
         return y
     if not meta.has_lora:
         return y.zero_()
-    tuned = by_rank(train_configs(s.device)["lora_linear_term"]["by_rank"], max_rank)
-    block_m, block_n = blocks or (tuned["block_m"], tuned["block_n"])
-    num_warps = num_warps or tuned["num_warps"]
-    if s.device.type != "cuda":
-        block_m, block_n, num_warps = 16, 32, 4
+    block_m, block_n, num_warps = term_tiles("lora_linear_term", max_rank, s.device, blocks, num_warps)
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(out_size, block_n),)
     _lora_train_linear_fwd_kernel[grid](
         s, lora_b, y, meta.token_slots, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,

@@ -35,6 +35,7 @@ from flexserve_kernels.lora.train.fused import (
     keep_threshold,
     kernel_seed,
     rank_block,
+    term_tiles,
     term_tuner,
     tile_segments,
     token_segments,
@@ -517,11 +518,7 @@ def lora_train_dx_term(ds: torch.Tensor, lora_a: torch.Tensor, meta: LoRAKernelM
         return term.zero_()
     # Tiles small enough to leave several programs per SM; a wider one above rank 64, where the
     # small tile spills (ptxas, sm_90, triton 3.9).
-    tuned = by_rank(train_configs(ds.device)["lora_train_dx_term"]["by_rank"], max_rank)
-    block_m, block_n = blocks or (tuned["block_m"], tuned["block_n"])
-    num_warps = num_warps or tuned["num_warps"]
-    if ds.device.type != "cuda":
-        block_m, block_n, num_warps = 16, 32, 4
+    block_m, block_n, num_warps = term_tiles("lora_train_dx_term", max_rank, ds.device, blocks, num_warps)
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(in_size, block_n),)
     _lora_train_dx_bwd_kernel[grid](
         ds, lora_a, term, token_segments(meta), meta.seg_starts, meta.seg_lens, meta.seg_slots,
