@@ -73,6 +73,11 @@ def main() -> None:
                              "fused LoRA kernels; the masks' int64 reference hash, applied as tensors "
                              "in the forward and regenerated in the backward since plans keep no "
                              "mask); several values run each case once per value")
+    parser.add_argument("--lora-forward", nargs="+", choices=["fused", "sgmv"], default=["fused"],
+                        help="sgmv: the forward's LoRA of prefill-sized windows as the SGMV shrink and "
+                             "expand instead of LoRAFusion's kernels 1 and 2 "
+                             "(FLEXSERVE_LORA_PREFILL_BACKEND=sgmv); several values run each case once "
+                             "per value")
     parser.add_argument("--backends", nargs="+", choices=["flexserve", "hf-peft"],
                         default=["flexserve"],
                         help="hf-peft: HF transformers + PEFT + AdamW on the same cases, run first")
@@ -126,6 +131,7 @@ def main() -> None:
     from flexserve.finetune.data import TrainingData, TrainingExample
     from flexserve.finetune.hyperparameters import Hyperparameters
     from flexserve.worker.finetune import activation_store, layer_backward
+    from flexserve_kernels.lora.serve import ops as lora_ops
 
     lora_kernel_dtypes, mask_dispatch = layer_backward.LORA_KERNEL_DTYPES, activation_store.use_triton
     capture = activation_store.FinetuneCapture
@@ -168,10 +174,11 @@ def main() -> None:
                                                  for i in range(args.tensor_parallel_size))]
 
     vocab = engine.info.vocab_size
-    cases = [(t, n, p, b) for t in args.targets for n in args.seq_lens for p in args.lora_dropouts
-             for b in args.lora_backward]
-    for targets, seq_len, lora_dropout, lora_backward in tqdm(cases, desc="fine-tuning cases"):
+    cases = [(t, n, p, b, f) for t in args.targets for n in args.seq_lens for p in args.lora_dropouts
+             for b in args.lora_backward for f in args.lora_forward]
+    for targets, seq_len, lora_dropout, lora_backward, lora_forward in tqdm(cases, desc="fine-tuning cases"):
         use_lora_backward(lora_backward)
+        lora_ops._FUSED_PREFILL = lora_forward == "fused"  # read per batch (`fuses_batch`); eager steps
         g = torch.Generator().manual_seed(seq_len)
         lengths = case_lengths(args, seq_len)
         examples = [TrainingExample(i + 1, torch.randint(100, vocab - 100, (n,),
@@ -245,6 +252,7 @@ def main() -> None:
             "loss_chunk_rows": args.loss_chunk_rows,
             "lora_dropout": lora_dropout,
             "lora_backward": lora_backward,
+            "lora_forward": lora_forward,
             "window_attention": window_attention(),
             "status": job.status.value, "tokens_per_s": round(num_timed_tokens / elapsed, 1),
             "seconds_per_sequence": round(elapsed / args.num_sequences, 3),

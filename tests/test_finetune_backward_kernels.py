@@ -376,3 +376,30 @@ print("ok")
 
 def test_kernels_compile_for_hopper_without_spills():
     compile_for_hopper(_COMPILE_SCRIPT)
+
+
+def test_lora_kernel_paths_follow_the_configs(monkeypatch):
+    # Which LoRA ops of a window run on the fused kernels: with dropout LoRA A's op always; without,
+    # LoRA A's and kernel 3's (for outputs up to its size) within the configs' window sizes; never
+    # on the torch dispatch, in an fp16 model or on staged adapters (several jobs' windows as one).
+    from types import SimpleNamespace
+
+    from flexserve_kernels.lora.train.configs import train_configs
+
+    limits = train_configs("cpu")["engine_lora_backward"]
+    paths = layer_backward.SequenceBackward.lora_kernel_paths
+
+    def owner(dropout=0.0, kernel_dtype=True, staged=None):
+        return SimpleNamespace(_lora_kernel_dtype=kernel_dtype, staged=staged, _kernel_limits=None,
+                               residual_grad=torch.zeros(1), store=SimpleNamespace(lora_dropout=dropout))
+
+    monkeypatch.setattr(layer_backward, "use_triton", lambda device: True)
+    small, a_max, b_max = 16, limits["lora_a_max_rows"], limits["ds_db_max_rows"]
+    assert paths(owner(), small) == (True, limits["ds_db_max_out"])
+    assert paths(owner(), b_max + 1)[1] == 0 and paths(owner(), b_max)[1] == limits["ds_db_max_out"]
+    assert paths(owner(), a_max)[0] and not paths(owner(), a_max + 1)[0]
+    assert paths(owner(dropout=0.1), a_max + 1)[0]
+    assert paths(owner(kernel_dtype=False), small) == (False, 0)
+    assert paths(owner(staged=object()), small) == (False, 0)
+    monkeypatch.setattr(layer_backward, "use_triton", lambda device: False)
+    assert paths(owner(dropout=0.1), small) == (False, 0)

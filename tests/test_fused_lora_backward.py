@@ -194,3 +194,42 @@ def test_llama8b_down_proj_window_bf16():
     scale = dropout_keep_mask(3, 7, "down_proj", 2048, n, inter, p, DEVICE).float() / (1 - p)
     assert_close(grad_a, ds.T @ (x.float() * scale), 1e-4)
     assert_close(term, (ds @ lora_a.float()) * scale, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n, out, rank", [(19, 24, 8), (1, 40, 1), (70, 130, 16)])
+def test_lora_b_backward(dtype, n, out, rank):
+    # LoRA B's op as kernel 3 (`fused_lora_b_backward`): dB = scaling dY^T S added into the fp32
+    # gradient, dS = scaling dY B, both in fp32 as the torch path's GEMMs.
+    grad_y, s = randn(n, out, seed=11, scale=1e-3), randn(n, rank, seed=12)
+    lora_b = randn(out, rank, dtype=dtype, seed=13)
+    scaling = torch.tensor([2.5], device=DEVICE)
+    grad_b = randn(out, rank, seed=14, scale=1e-3)
+    before = grad_b.clone()
+    ds = backward_ops.fused_lora_b_backward(grad_y, s, lora_b, scaling, grad_b)
+    assert ds.dtype == torch.float32 and ds.shape == (n, rank)
+    assert_close(grad_b, before + 2.5 * grad_y.T @ s, 1e-5)
+    assert_close(ds, 2.5 * grad_y @ lora_b.float(), 1e-5)
+    # S in the model's dtype is read as it is
+    grad_b.copy_(before)
+    backward_ops.fused_lora_b_backward(grad_y, s.to(dtype), lora_b, scaling, grad_b)
+    assert_close(grad_b, before + 2.5 * grad_y.T @ s.to(dtype).float(), 1e-5)
+    with pytest.raises(ValueError, match="db_out"):
+        wide = torch.zeros(out, rank + 1, device=DEVICE)
+        backward_ops.fused_lora_b_backward(grad_y, s, lora_b, scaling, wide[:, :rank])
+
+
+def test_backward_benchmark_smoke_checks_every_path(tmp_path):
+    # benchmarks/kernels/lora_backward_gemms.py --smoke (tiny shapes, interpreter, untimed): every
+    # path of both LoRA ops writes a row, and each path's result matches fp64.
+    from _benchmark_smoke import smoke_rows
+
+    rows = smoke_rows("benchmarks/kernels/lora_backward_gemms.py", tmp_path / "bench.jsonl")
+    paths = {(r["op"], r["path"]) for r in rows}
+    assert paths == {("lora_a", p) for p in ("widened", "gemm16", "kernels", "frozen")} | {
+        ("lora_b", p) for p in ("torch", "kernel3")}
+    assert len(rows) == 6 * 2 * 2  # paths x targets x window sizes
+    for r in rows:  # fp32 on the CPU; gemm16 splits dS in two bf16 terms (within 2^-17)
+        for key in ("da_error", "dx_error", "db_error", "ds_error"):
+            if key in r:
+                assert r[key] < (1e-4 if r["path"] == "gemm16" else 1e-5), r

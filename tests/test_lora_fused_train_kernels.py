@@ -794,18 +794,9 @@ def test_kernels_compile_for_hopper_without_spills():
 def test_benchmark_smoke_writes_json_lines(tmp_path):
     # The GPU benchmark's --smoke mode (tiny shapes, interpreter, untimed): every path writes a row
     # and the fused forward matches torch at dropout 0.
-    import json
-    import os
-    import subprocess
-    import sys
+    from _benchmark_smoke import smoke_rows
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "bench.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "benchmarks/kernels/lora_fused_train.py", "--smoke", "--out", str(out)],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = smoke_rows("benchmarks/kernels/lora_fused_train.py", tmp_path / "bench.jsonl")
     assert sorted(r["path"] for r in rows) == ["base", "base", "engine", "engine", "fused", "fused_blas", "fused_multi",
                                                "fused_multi_blas", "fused_multi_tma", "fused_tma", "kernel1", "kernel1",
                                                "kernel2", "kernel2", "torch_lora", "torch_multi"]

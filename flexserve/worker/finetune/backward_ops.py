@@ -16,11 +16,12 @@ result on CUDA (the values of widening both first: a product of two 16-bit float
 fp32, the sums are fp32), without the widened copies; `split_bf16` writes an fp32 operand as two
 bf16 terms so that it can join such a GEMM (hi + lo is within 2^-17 of it).
 
-On the fused path (CUDA, a bf16 or fp32 model) the shrink's backward of an adapter with dropout
-runs as fused LoRA training kernels (flexserve_kernels.lora.train.fused_bwd) with the same
-precision: `fused_lora_a_backward` (dA, and dX's LoRA term with dropout' applied, dS split into
-two 16-bit halves as `split_bf16` does), the dropout mask regenerated in registers from the
-window's seed, never read or rebuilt as a tensor.
+On the fused path (CUDA, a bf16 or fp32 model) the adapter ops' backward runs as fused LoRA
+training kernels (flexserve_kernels.lora.train.fused_bwd) with the same precision: the shrink's
+as `fused_lora_a_backward` (dA, and dX's LoRA term with dropout' applied, dS split into two
+16-bit halves as `split_bf16` does), the dropout mask regenerated in registers from the window's
+seed, never read or rebuilt as a tensor; the expand's as `fused_lora_b_backward` (dB and dS in
+fp32). `SequenceBackward.lora_kernel_paths` says where each runs.
 
 `window_attention` is the SDPA call whose autograd gives the attention backward: queries of the
 window [end - n, end) over keys [0, end), with grouped K/V (GQA) passed as they are. A window
@@ -120,6 +121,23 @@ def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.T
                                         out_dtype=torch.float32, split_ds=True, x_dropped=x_dropped,
                                         da_out=grad_a[None])
     return term
+
+
+def fused_lora_b_backward(grad_y: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
+                          scaling: torch.Tensor, grad_b: torch.Tensor) -> torch.Tensor:
+    """The backward of an adapter's expand over a window as fused LoRA kernel 3, from one pass
+    over dY: adds scaling dY^T S to grad_b [out, r] (fp32, contiguous, in place) and returns dS
+    = scaling dY B [n, r] (fp32). dY [n, out] and the products are fp32 (B widened, S read in
+    its dtype), as the torch path's GEMMs; `scaling` a one-element device tensor (the slot's
+    entry, read when the kernel runs)."""
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots
+    from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd
+
+    device = grad_y.device
+    slots = LoRATrainSlots(scaling, _scalar(0.0, device), False)
+    ds, _ = lora_train_ds_db_bwd(_rows(grad_y), lora_b.float()[None], _rows(s), _window_meta(grad_y.shape[0], device),
+                                 slots, db_out=grad_b[None])
+    return ds
 
 
 def fused_lora_dropout_shrink(x: torch.Tensor, lora_a: torch.Tensor, p: float, seed: int) -> torch.Tensor:

@@ -40,9 +40,9 @@ halves). That dX term reaches the frozen linear's dX GEMM epilogue, as the bypas
 without dropout, and the dropout op's own backward has nothing left to do. LoRA A's output S,
 where the plan rematerializes it, is fused LoRA kernel 1 over the dropout's input, as in the
 forward (`fused_lora_dropout_shrink`): the mask is never built as a tensor there either. Without dropout the
-torch ops stay: measured on an H200 (docs/benchmarks.md), the kernels' extra
-launches made the host the bottleneck, and cuBLAS's fp32 GEMMs for LoRA B were faster than an
-fp32 Triton kernel 3.
+LoRA A op runs on the same kernels, and LoRA B's op (dB and dS, fp32) on fused LoRA kernel 3
+(`fused_lora_b_backward`), in the window and output sizes where they were measured faster than
+the torch GEMMs (`lora_kernel_paths`, the configs' `engine_lora_backward`; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from flexserve.worker.finetune.backward_gradients import WindowGradients
 from flexserve.worker.finetune.backward_ops import (
     addmm_fp32,
     fused_lora_a_backward,
+    fused_lora_b_backward,
     fused_lora_dropout_shrink,
     fused_rope_backward,
     fused_silu_mul_backward,
@@ -81,11 +82,14 @@ from flexserve.worker.finetune.backward_ops import (
 )
 from flexserve.worker.finetune.staged_lora import StagedLoRA
 from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora.train.configs import train_configs
 
-# On an H200 (Llama-3.1-8B down_proj, r=16; docs/benchmarks.md) one layer's LoRA
-# products and down_proj dX took 273 vs 345 us at 1024 rows and 887 vs 1227 at 4096 as 16-bit
-# GEMMs with fp32 outputs, but 196-247 vs 108-121 us at 16-256 rows (more launches, slower small
-# out_dtype GEMMs): the co-serving windows' sizes.
+# Windows of at least this many rows run the torch path's LoRA products as 16-bit GEMMs with fp32
+# outputs. In device time (Llama-3.1-8B, r=16, H200, graph replays; docs/benchmarks.md, "LoRA
+# backward of a window") they match the widened fp32 GEMMs at 16-64 rows and are faster from 256
+# (down_proj's LoRA A op with its dX GEMM: 85.8 vs 103.1 us at 256 rows, 885.6 vs 1225.9 at
+# 4096), but they launch more kernels, which eager windows pay on the host. Where Triton runs,
+# windows below 2048 rows take the fused LoRA kernels instead (`lora_kernel_paths`).
 WIDE_LORA_GEMM_ROWS = 1024
 
 
@@ -230,15 +234,17 @@ class SequenceBackward:
             op.name for op in self.graph.ops if op.kind == "linear"
             and any(o.kind == "lora_a" and o.inputs == op.inputs
                     and o.name.split(".")[0] == op.name.split(".")[0] for o in self.graph.ops)}
-        # The fused LoRA kernels (adapters with dropout in bf16 or fp32 models where `use_triton`):
+        # The fused LoRA kernels (bf16 or fp32 models where `use_triton`; `_Window.lora_kernels`):
         # target -> the input of its dropout op, which they read and give the bypass's dX to (the
         # frozen linear's input, whose dX GEMM then adds it, as above).
-        self._lora_kernels = store.dtype in LORA_KERNEL_DTYPES and store.lora_dropout > 0
+        self._lora_kernel_dtype = store.dtype in LORA_KERNEL_DTYPES
         self._dropout_input = {op.name.split(".")[0]: op.inputs[0] for op in self.graph.ops
                                if op.kind == "dropout"}
-        self._adds_fused_bypass_dx = {  # (with dropout, no LoRA A reads a linear's own input)
+        fused_adds = {  # (with dropout, no LoRA A reads a linear's own input)
             op.name for op in self.graph.ops if op.kind == "linear"
             and self._dropout_input.get(op.name.split(".")[0]) == op.inputs[0]}
+        self._adds_fused_bypass_dx = fused_adds | self._adds_bypass_dx
+        self._kernel_limits: dict[str, int] | None = None
         self._lora: dict[tuple[int, str], tuple[LoRALinear, int, torch.Tensor, torch.Tensor]] = {}
         for layer in range(len(layers)):
             for target in self.graph.bypass:
@@ -365,6 +371,23 @@ class SequenceBackward:
         self._attention_backward(_Window(self, layer, start, end), op, grad, grads)
         return {name: grads.values[name] for name in op.inputs if name in grads.values}
 
+    def lora_kernel_paths(self, rows: int) -> tuple[bool, int]:
+        """Which LoRA ops of a window of `rows` rows run on fused LoRA kernels: (LoRA A's op as
+        kernels 4's term and 5, `fused_lora_a_backward`; the largest output size whose LoRA B op
+        runs as kernel 3, `lora_train_ds_db_bwd`, 0 for none). Where `use_triton`, in a bf16 or
+        fp32 model, on one adapter (not staged): LoRA A's op of an adapter with dropout in every
+        window (the mask is regenerated in registers), otherwise both in the window and output
+        sizes of the configs' `engine_lora_backward`, where they were measured faster than the
+        torch GEMMs (docs/benchmarks.md)."""
+        if (not self._lora_kernel_dtype or self.staged is not None
+                or not use_triton(self.residual_grad.device)):
+            return False, 0
+        if self._kernel_limits is None:
+            self._kernel_limits = train_configs(self.residual_grad.device)["engine_lora_backward"]
+        limits = self._kernel_limits
+        lora_a = self.store.lora_dropout > 0 or rows <= limits["lora_a_max_rows"]
+        return lora_a, limits["ds_db_max_out"] if rows <= limits["ds_db_max_rows"] else 0
+
     def lora_parts(self, layer: int, target: str
                    ) -> tuple[LoRALinear, int, torch.Tensor, torch.Tensor]:
         """(the LoRA linear, the adapter's rank, dL/dA buffer, dL/dB buffer) of a target of a
@@ -415,7 +438,7 @@ class SequenceBackward:
             weight = self.linear(win.layer, op.name.split(".")[0]).weight  # frozen: dX only
             old = grads.values.get(name)
             adds = self._adds_fused_bypass_dx if win.lora_kernels else self._adds_bypass_dx
-            if op.name in adds and old is not None and win.wide_lora_gemms:
+            if op.name in adds and old is not None and (win.wide_lora_gemms or win.lora_kernels):
                 # The bypass's fp32 dX (and what came before it) is there: the GEMM adds it
                 # in its epilogue, one rounding, on both paths (a new tensor either way).
                 grads.values[name] = addmm_fp32(old, grad.to(weight.dtype), weight)
@@ -430,6 +453,8 @@ class SequenceBackward:
                 give(name, dx.float())
         elif kind == "lora_a" and win.lora_kernels:
             self._lora_a_fused(win, op, grad, grads)
+        elif kind == "lora_b" and self.linear(win.layer, op.name.split(".")[0]).out_features <= win.ds_db_max_out:
+            self._lora_b_fused(win, op, grad, grads)
         elif kind == "lora_b":
             _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
             grad = grad.float()
@@ -482,20 +507,33 @@ class SequenceBackward:
 
     def _lora_a_fused(self, win: _Window, op: Op, grad: torch.Tensor,
                       grads: WindowGradients) -> None:
-        """LoRA A's backward of an adapter with dropout as the fused LoRA kernels
-        (`fused_lora_a_backward`): reads the dropout's input and regenerates the mask in registers
-        (or reads the dropout's output where the plan stores it), and gives dX to the dropout's
-        input, where the frozen linear's dX GEMM adds it."""
+        """LoRA A's backward as the fused LoRA kernels (`fused_lora_a_backward`), giving dX to
+        the frozen linear's input, where its dX GEMM adds it. With dropout it reads the dropout's
+        input and regenerates the mask in registers (or reads the dropout's output where the plan
+        stores it)."""
         target, name = op.name.split(".")[0], op.inputs[0]
         module, rank, grad_a, _ = self._lora[(win.layer, target)]
-        src = self._dropout_input[target]
-        x_dropped = name in self.store.stored_names[win.layer]
+        src = self._dropout_input.get(target, name)
+        x_dropped = src != name and name in self.store.stored_names[win.layer]
         seed = dropout_window_seed(self.store.dropout_seed, win.layer, target, win.start)
         term = fused_lora_a_backward(grad, win.act(name if x_dropped else src),
                                      module.lora_a[self.lora_slot, :rank], self.store.lora_dropout,
                                      seed, grad_a, x_dropped=x_dropped, want_dx=grads.needed[src])
         if term is not None:
             grads.give(src, term, fresh=True)
+
+    def _lora_b_fused(self, win: _Window, op: Op, grad: torch.Tensor,
+                      grads: WindowGradients) -> None:
+        """LoRA B's backward as fused LoRA kernel 3 (`fused_lora_b_backward`): dB added into the
+        adapter's fp32 gradient and dS given to S, from one pass over dY, in fp32 as the torch
+        ops."""
+        target, name = op.name.split(".")[0], op.inputs[0]
+        module, rank, _, grad_b = self._lora[(win.layer, target)]
+        slot = self.lora_slot
+        ds = fused_lora_b_backward(grad.float(), win.act(name), module.lora_b[slot, :, :rank],
+                                   module.scaling[slot:slot + 1], grad_b)
+        if grads.needed[name]:
+            grads.give(name, ds, fresh=True)
 
     def _rmsnorm_fused(self, win: _Window, op: Op, grad: torch.Tensor, grads: WindowGradients,
                        rows: torch.Tensor) -> None:
@@ -562,7 +600,7 @@ class _Window:
         # Windows this wide run the LoRA products as 16-bit GEMMs with fp32 outputs (see the
         # module docstring); narrower ones widen their operands, which was measured faster there.
         self.wide_lora_gemms = end - start >= WIDE_LORA_GEMM_ROWS
-        self.lora_kernels = owner._lora_kernels and use_triton(owner.residual_grad.device)
+        self.lora_kernels, self.ds_db_max_out = owner.lora_kernel_paths(end - start)
         self.decoder = owner.model.model.layers[layer]
         self.dtype = owner.store.dtype
         cache = owner.model.model.rotary_emb.cos_sin_cache

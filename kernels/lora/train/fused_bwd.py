@@ -340,14 +340,20 @@ def sum_parts(part: torch.Tensor) -> torch.Tensor:
 
 def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor, meta: LoRAKernelMeta,
                          slots: LoRATrainSlots, *, block_m: int | None = None, block_n: int | None = None,
-                         num_warps: int | None = None, num_stages: int = 3, per_sm: int | None = None):
+                         num_warps: int | None = None, num_stages: int = 3, per_sm: int | None = None,
+                         db_out: torch.Tensor | None = None):
     """Kernel 3: (dS [T, r_max] float32, zero rows without an adapter; dB like lora_b). The
-    keyword arguments override the tiles, warps, stages and programs per SM (tuning)."""
+    keyword arguments override the tiles, warps, stages and programs per SM (tuning).
+    `db_out`: an fp32 [slots, out, r_max] buffer that dB is added to (and returned)."""
     check_launchable(dy, _lora_train_ds_db_bwd_kernel)
     num_tokens, out_size = dy.shape
     max_rank = lora_b.shape[2]
+    if db_out is not None and (db_out.shape != lora_b.shape or db_out.dtype != torch.float32
+                               or not db_out.is_contiguous()):
+        raise ValueError(f"db_out must be a contiguous float32 tensor of lora_b's shape {tuple(lora_b.shape)}")
     if not meta.has_lora:
-        return (torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=dy.device), torch.zeros_like(lora_b))
+        return (torch.zeros(num_tokens, max_rank, dtype=torch.float32, device=dy.device),
+                torch.zeros_like(lora_b) if db_out is None else db_out)
     # 16-bit operands at rank 16 take the configs' widest tile (one program per SM: its 3 stages of
     # dY tiles fill the shared memory); fp32 operands, or a caller's own tile, take the fp32 table,
     # whose tiles fit shared memory at 4 bytes an element.
@@ -375,8 +381,8 @@ def lora_train_ds_db_bwd(dy: torch.Tensor, lora_b: torch.Tensor, s: torch.Tensor
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=rank_block(max_rank),
         num_warps=num_warps, num_stages=num_stages,
     )
-    db = torch.empty_like(lora_b)
-    _reduce_by_slot(db_part, db, meta, rows_per_chunk, num_chunks)
+    db = torch.empty_like(lora_b) if db_out is None else db_out
+    _reduce_by_slot(db_part, db, meta, rows_per_chunk, num_chunks, accumulate=db_out is not None)
     return (ds_part[0] if num_splits == 1 else sum_parts(ds_part)), db
 
 
