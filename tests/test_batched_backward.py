@@ -37,6 +37,16 @@ def test_staged_rows_keep_their_own_block():
     assert not kept[5:].any()
     assert torch.equal(st.expand(torch.ones(rows, rank))[:rows].sum(dim=1),
                        torch.full((rows,), 2.0))
+    # the fused LoRA kernels' routing: block j's rows are segment j, S and dS rank r
+    assert st.segments.tolist() == [[2, 0, 0, 0], [3, 2, 0, 0], [0, 1, 2, 3]]
+    assert st.token_blocks.tolist() == [1, 1, 0, 0, 0, -1, -1, -1]
+    assert torch.equal(st.own_block(wide)[:rows], torch.stack([wide[0, 2:4], wide[1, 2:4], wide[2, :2],
+                                                               wide[3, :2], wide[4, :2]]))
+    assert not st.own_block(wide)[rows:].any()
+    meta = st.kernel_meta(8)
+    assert (meta.num_segments, meta.max_seg_len, meta.covers_all_tokens) == (4, 8, False)
+    with pytest.raises(ValueError, match="not contiguous"):
+        st.load([0, 2], [(0, 1), (1, 1), (0, 1)], 4)
     linear = LoRALinear(torch.nn.Linear(3, 4, bias=False), max_loras=3, max_rank=4)
     with torch.no_grad():
         linear.lora_a.copy_(torch.randn(linear.lora_a.shape))
@@ -49,6 +59,9 @@ def test_staged_rows_keep_their_own_block():
     assert torch.equal(st.b["q_proj"][:, :rank], linear.lora_b[0, :, :rank])
     assert torch.equal(st.b["q_proj"][:, rank:2 * rank], linear.lora_b[2, :, :rank])
     assert st.scale["q_proj"].tolist() == [0.5, 0.5, 2.0, 2.0, 0.5, 0.5, 0.5, 0.5]
+    assert st.block_scale["q_proj"].tolist() == [0.5, 2.0, 0.5, 0.5]
+    assert torch.equal(st.blocks_b("q_proj")[1], linear.lora_b[2, :, :rank])
+    assert torch.equal(st.blocks_a("q_proj")[1, :, 1:], linear.lora_a[2, :rank, 1:])
     bad = torch.zeros(8, 3)
     bad[3, 1] = float("inf")  # a row of block 0
     st.mark_nonfinite(bad)

@@ -380,8 +380,9 @@ def test_kernels_compile_for_hopper_without_spills():
 
 def test_lora_kernel_paths_follow_the_configs(monkeypatch):
     # Which LoRA ops of a window run on the fused kernels: with dropout LoRA A's op always; without,
-    # LoRA A's and kernel 3's (for outputs up to its size) within the configs' window sizes; never
-    # on the torch dispatch, in an fp16 model or on staged adapters (several jobs' windows as one).
+    # LoRA A's and kernel 3's (for outputs up to its size) within the configs' window sizes; staged
+    # adapters of several jobs LoRA A's always (their torch products would be rank-wide), up to the
+    # one pass's largest rank; never on the torch dispatch or in an fp16 model.
     from types import SimpleNamespace
 
     from flexserve_kernels.lora.train.configs import train_configs
@@ -400,6 +401,51 @@ def test_lora_kernel_paths_follow_the_configs(monkeypatch):
     assert paths(owner(), a_max)[0] and not paths(owner(), a_max + 1)[0]
     assert paths(owner(dropout=0.1), a_max + 1)[0]
     assert paths(owner(kernel_dtype=False), small) == (False, 0)
-    assert paths(owner(staged=object()), small) == (False, 0)
+    assert paths(owner(staged=SimpleNamespace(rank=16)), a_max + 1) == (True, 0)
+    assert paths(owner(staged=SimpleNamespace(rank=16)), small) == (True, limits["ds_db_max_out"])
+    assert paths(owner(staged=SimpleNamespace(rank=128)), small) == (False, 0)
     monkeypatch.setattr(layer_backward, "use_triton", lambda device: False)
     assert paths(owner(dropout=0.1), small) == (False, 0)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernels on the CPU under the interpreter")
+@pytest.mark.parametrize("remat", [False, True], ids=["stored", "rematerialized"])
+def test_staged_jobs_on_the_lora_kernels_train_what_they_train_alone(remat, tiny_config, tiny_checkpoint,
+                                                                     tmp_path, monkeypatch):
+    # Three jobs' backward windows as one (`StagedLoRA`) with the LoRA math on the fused kernels:
+    # each job's rows one segment of their routing, S and dS rank r, kernel 1 for a
+    # rematerialized S, kernel 3 and the one pass of 4's term and 5 on each row's own block.
+    # Each job must train what it trains alone (the bound of test_batched_backward).
+    from safetensors.torch import load_file
+
+    from flexserve.worker.finetune import backward_ops
+    from test_batched_backward import _engine, _jobs, _relative_change, _short, _train
+    from test_mixed_graphs import _setup
+
+    monkeypatch.setenv("FLEXSERVE_KERNELS", "torch")  # the forward on its torch path
+    monkeypatch.setattr(layer_backward, "use_triton", lambda device: True)
+    routed = {"a": 0, "b": 0, "s": 0}
+
+    def counting(name, fn, key):
+        def wrapper(*args, **kwargs):
+            if kwargs.get("meta") is not None or key == "s":
+                routed[key] += 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(layer_backward, name, wrapper)
+
+    counting("fused_lora_a_backward", backward_ops.fused_lora_a_backward, "a")
+    counting("fused_lora_b_backward", backward_ops.fused_lora_b_backward, "b")
+    counting("fused_lora_shrink", backward_ops.fused_lora_shrink, "s")
+    model_dir, _, examples, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
+    data = _short(examples)
+    jobs = _jobs(tmp_path, model_dir, hp, 3)
+    alone = [_train(_engine(model_dir, remat), data, [job], tmp_path, f"alone{i}")[0]
+             for i, job in enumerate(jobs)]
+    assert routed == {"a": 0, "b": 0, "s": 0}
+    engine = _engine(model_dir, remat)
+    together = _train(engine, data, jobs, tmp_path, "together")
+    assert engine.executor.finetune_runner.num_backward_windows["across_jobs"] > 0
+    assert routed["a"] > 0 and routed["b"] > 0 and (routed["s"] > 0) == remat, routed
+    for i, (adapter, (init, _)) in enumerate(zip(together, jobs)):
+        initial = load_file(f"{init}/adapter_model.safetensors")
+        assert _relative_change(adapter, alone[i], initial) <= 1e-4, i

@@ -284,6 +284,9 @@ class BackwardGraphs:
         owners = {}  # LoRA slot (the job) -> its first window's sequence, in window order
         for owner, _, _ in windows:
             owners.setdefault(owner.lora_slot, owner)
+        if len(owners) > 1:  # each job's rows contiguous (one segment of the LoRA kernels' routing)
+            order = list(owners)
+            windows = sorted(windows, key=lambda w: order.index(w[0].lora_slot))
         staged = None
         if len(owners) == 1:
             template, graphs = self.template, self._graphs

@@ -95,49 +95,76 @@ def _train_slots(p: float, device: torch.device) -> Any:
     return LoRATrainSlots(_scalar(1.0, device), _scalar(p, device), p > 0)
 
 
+@functools.lru_cache(maxsize=16)
+def _plain_slots(count: int, device: torch.device) -> Any:
+    """`count` slots without dropout and scaling 1 (for kernels 1, 4 and 5, which do not scale)."""
+    from flexserve_kernels.lora.train.fused import LoRATrainSlots
+
+    return LoRATrainSlots(torch.ones(count, device=device), torch.zeros(count, device=device), False)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, p: float,
                           seed: int, grad_a: torch.Tensor, *, x_dropped: bool,
-                          want_dx: bool) -> torch.Tensor | None:
+                          want_dx: bool, meta: Any = None) -> torch.Tensor | None:
     """The backward of an adapter's shrink (and its dropout) over a window, as kernels: adds
     dS^T dropout(x) to grad_a [r, in] (fp32, in place; fused LoRA kernel 5) and returns dL/dx's
     LoRA term dropout'(dS A) [n, in] fp32 (kernel 4's term) when `want_dx`, both from one pass
     over x (`lora_train_dx_term_da_bwd`).
     x [n, in] is the adapter's input before dropout, whose mask the kernels regenerate from `seed`
     (`dropout_window_seed`), or after it when `x_dropped` (a stored dropout output). dS (fp32)
-    enters the 16-bit products as two 16-bit halves, as `split_bf16` does on the torch path."""
+    enters the 16-bit products as two 16-bit halves, as `split_bf16` does on the torch path.
+    With `meta` (a `LoRAKernelMeta`; no dropout) the rows are several adapters' segments:
+    lora_a and grad_a are [slots, r, in], each row's dS [r] its own slot's, and the term's rows
+    outside every segment zero."""
     from flexserve_kernels.lora.train.fused_bwd import lora_train_da_bwd, lora_train_dx_term_da_bwd
 
     device, n = grad_s.device, grad_s.shape[0]
-    meta, grad_s = _window_meta(n, device), _rows(grad_s)
+    grad_s = _rows(grad_s)
+    if meta is None:
+        meta, lora_a, grad_a = _window_meta(n, device), lora_a[None], grad_a[None]
+        slots, da_slots = _train_slots(p, device), _train_slots(0.0 if x_dropped else p, device)
+    elif p > 0:
+        raise ValueError("several adapters' rows take no dropout here")
+    else:
+        slots = da_slots = _plain_slots(lora_a.shape[0], device)
     if not want_dx:
-        lora_train_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(0.0 if x_dropped else p, device),
-                          seed, split_ds=True, da_out=grad_a[None])
+        lora_train_da_bwd(_rows(x), grad_s, lora_a, meta, da_slots, seed, split_ds=True, da_out=grad_a)
         return None
-    term, _ = lora_train_dx_term_da_bwd(_rows(x), grad_s, lora_a[None], meta, _train_slots(p, device), seed,
-                                        out_dtype=torch.float32, split_ds=True, x_dropped=x_dropped,
-                                        da_out=grad_a[None])
+    term, _ = lora_train_dx_term_da_bwd(_rows(x), grad_s, lora_a, meta, slots, seed, out_dtype=torch.float32,
+                                        split_ds=True, x_dropped=x_dropped, da_out=grad_a)
     return term
 
 
 def fused_lora_b_backward(grad_y: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor,
-                          scaling: torch.Tensor, grad_b: torch.Tensor) -> torch.Tensor:
+                          scaling: torch.Tensor, grad_b: torch.Tensor, meta: Any = None) -> torch.Tensor:
     """The backward of an adapter's expand over a window as fused LoRA kernel 3, from one pass
     over dY: adds scaling dY^T S to grad_b [out, r] (fp32, contiguous, in place) and returns dS
     = scaling dY B [n, r] (fp32). dY [n, out] and the products are fp32 (B widened, S read in
     its dtype), as the torch path's GEMMs; `scaling` a one-element device tensor (the slot's
-    entry, read when the kernel runs)."""
+    entry, read when the kernel runs). With `meta` (a `LoRAKernelMeta`) the rows are several
+    adapters' segments: lora_b and grad_b are [slots, out, r] and scaling [slots], each row's S
+    and dS its own slot's, dS zero outside every segment."""
     from flexserve_kernels.lora.train.fused import LoRATrainSlots
     from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd
 
     device = grad_y.device
-    slots = LoRATrainSlots(scaling, _scalar(0.0, device), False)
-    ds, _ = lora_train_ds_db_bwd(_rows(grad_y), lora_b.float()[None], _rows(s), _window_meta(grad_y.shape[0], device),
-                                 slots, db_out=grad_b[None])
+    if meta is None:
+        meta, lora_b, grad_b = _window_meta(grad_y.shape[0], device), lora_b[None], grad_b[None]
+    slots = LoRATrainSlots(scaling, _plain_slots(lora_b.shape[0], device).dropout_ps, False)
+    ds, _ = lora_train_ds_db_bwd(_rows(grad_y), lora_b.float(), _rows(s), meta, slots, db_out=grad_b)
     return ds
+
+
+def fused_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: Any) -> torch.Tensor:
+    """S [n, r] fp32 = x A[slot]^T per row as fused LoRA kernel 1 over several adapters' segments
+    (`meta`, lora_a [slots, r, in]; no dropout), zero rows outside every segment."""
+    from flexserve_kernels.lora.train.fused import lora_train_shrink_fwd
+
+    return lora_train_shrink_fwd(_rows(x), lora_a, meta, None, 0, out_dtype=torch.float32)
 
 
 def fused_lora_dropout_shrink(x: torch.Tensor, lora_a: torch.Tensor, p: float, seed: int) -> torch.Tensor:

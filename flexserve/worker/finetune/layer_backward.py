@@ -70,6 +70,7 @@ from flexserve.worker.finetune.backward_ops import (
     fused_lora_a_backward,
     fused_lora_b_backward,
     fused_lora_dropout_shrink,
+    fused_lora_shrink,
     fused_rope_backward,
     fused_silu_mul_backward,
     mm_fp32,
@@ -375,17 +376,24 @@ class SequenceBackward:
         """Which LoRA ops of a window of `rows` rows run on fused LoRA kernels: (LoRA A's op as
         kernels 4's term and 5, `fused_lora_a_backward`; the largest output size whose LoRA B op
         runs as kernel 3, `lora_train_ds_db_bwd`, 0 for none). Where `use_triton`, in a bf16 or
-        fp32 model, on one adapter (not staged): LoRA A's op of an adapter with dropout in every
-        window (the mask is regenerated in registers), otherwise both in the window and output
-        sizes of the configs' `engine_lora_backward`, where they were measured faster than the
-        torch GEMMs (docs/benchmarks.md)."""
-        if (not self._lora_kernel_dtype or self.staged is not None
-                or not use_triton(self.residual_grad.device)):
+        fp32 model: LoRA A's op of an adapter with dropout in every window (the mask is
+        regenerated in registers), otherwise both in the window and output sizes of the configs'
+        `engine_lora_backward`, where they were measured faster than the torch GEMMs
+        (docs/benchmarks.md). Staged adapters of several jobs (up to rank MAX_TERM_DA_RANK) run
+        their LoRA on the kernels in every window (the first value; S and dS stay rank r, each
+        row routed to its job's block), where the torch products would be `width` times wider;
+        kernel 3 by the same limits."""
+        if not self._lora_kernel_dtype or not use_triton(self.residual_grad.device):
             return False, 0
         if self._kernel_limits is None:
+            from flexserve_kernels.lora.train.fused_bwd import MAX_TERM_DA_RANK
+
+            self._max_staged_rank = MAX_TERM_DA_RANK
             self._kernel_limits = train_configs(self.residual_grad.device)["engine_lora_backward"]
         limits = self._kernel_limits
-        lora_a = self.store.lora_dropout > 0 or rows <= limits["lora_a_max_rows"]
+        if self.staged is not None and self.staged.rank > self._max_staged_rank:
+            return False, 0
+        lora_a = self.store.lora_dropout > 0 or self.staged is not None or rows <= limits["lora_a_max_rows"]
         return lora_a, limits["ds_db_max_out"] if rows <= limits["ds_db_max_rows"] else 0
 
     def lora_parts(self, layer: int, target: str
@@ -457,15 +465,19 @@ class SequenceBackward:
             self._lora_b_fused(win, op, grad, grads)
         elif kind == "lora_b":
             _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
-            grad = grad.float()
-            product = (grad.T @ win.act(name).float()) * scaling
+            grad, s = grad.float(), win.act(name)
+            if self.staged is not None and win.lora_kernels:
+                s = self.staged.expand(s)  # the rank-r S of the kernels' routing
+            product = (grad.T @ s.float()) * scaling
             if self.staged is None:
                 grad_b.add_(product)
             else:
                 self.staged.add_grad_b(op.name.split(".")[0], product)
             if needed[name]:
                 ds = (grad @ lora_b.float()) * scaling
-                give(name, ds if self.staged is None else self.staged.keep(ds), fresh=True)
+                if self.staged is not None:
+                    ds = self.staged.own_block(ds) if win.lora_kernels else self.staged.keep(ds)
+                give(name, ds, fresh=True)
         elif kind == "lora_a":
             lora_a, _, _, grad_a, _ = self.lora_weights(win.layer, op.name.split(".")[0])
             act, rank = win.act(name), lora_a.shape[0]
@@ -512,6 +524,14 @@ class SequenceBackward:
         input and regenerates the mask in registers (or reads the dropout's output where the plan
         stores it)."""
         target, name = op.name.split(".")[0], op.inputs[0]
+        if self.staged is not None:  # several jobs' rows, each on its own block
+            st = self.staged
+            term = fused_lora_a_backward(grad, win.act(name), st.blocks_a(target), 0.0, 0,
+                                         st.grad_a[target].view(st.width, st.rank, -1), x_dropped=False,
+                                         want_dx=grads.needed[name], meta=win.kernel_meta)
+            if term is not None:
+                grads.give(name, term, fresh=True)
+            return
         module, rank, grad_a, _ = self._lora[(win.layer, target)]
         src = self._dropout_input.get(target, name)
         x_dropped = src != name and name in self.store.stored_names[win.layer]
@@ -528,10 +548,15 @@ class SequenceBackward:
         adapter's fp32 gradient and dS given to S, from one pass over dY, in fp32 as the torch
         ops."""
         target, name = op.name.split(".")[0], op.inputs[0]
-        module, rank, _, grad_b = self._lora[(win.layer, target)]
-        slot = self.lora_slot
-        ds = fused_lora_b_backward(grad.float(), win.act(name), module.lora_b[slot, :, :rank],
-                                   module.scaling[slot:slot + 1], grad_b)
+        if self.staged is not None:  # several jobs' rows, each on its own block
+            st = self.staged
+            ds = fused_lora_b_backward(grad.float(), win.act(name), st.blocks_b(target), st.block_scale[target],
+                                       st.grad_b_blocks[target], meta=win.kernel_meta)
+        else:
+            module, rank, _, grad_b = self._lora[(win.layer, target)]
+            slot = self.lora_slot
+            ds = fused_lora_b_backward(grad.float(), win.act(name), module.lora_b[slot, :, :rank],
+                                       module.scaling[slot:slot + 1], grad_b)
         if grads.needed[name]:
             grads.give(name, ds, fresh=True)
 
@@ -601,6 +626,9 @@ class _Window:
         # module docstring); narrower ones widen their operands, which was measured faster there.
         self.wide_lora_gemms = end - start >= WIDE_LORA_GEMM_ROWS
         self.lora_kernels, self.ds_db_max_out = owner.lora_kernel_paths(end - start)
+        # staged adapters on the kernels: their routing of this window's rows
+        self.kernel_meta = (owner.staged.kernel_meta(end - start)
+                            if owner.staged is not None and self.lora_kernels else None)
         self.decoder = owner.model.model.layers[layer]
         self.dtype = owner.store.dtype
         cache = owner.model.model.rotary_emb.cos_sin_cache
@@ -663,7 +691,7 @@ class _Window:
             if self.rows is None:
                 return store.read(layer, name, self.start, self.end)
             value = self.arena.get(layer, name).index_select(0, self.rows)
-            if owner.staged is not None and name in owner._shrinks:
+            if owner.staged is not None and name in owner._shrinks and not self.lora_kernels:
                 return owner.staged.expand(value)  # each row's shrink in its job's block
             return value
         if name in store.kv_cache_names and self.rows is not None:
@@ -697,12 +725,16 @@ class _Window:
             if name == op.outputs[1]:
                 return keep
             return apply_lora_dropout(x, keep, store.lora_dropout)
+        if op.kind == "lora_a" and owner.staged is not None and self.lora_kernels:
+            return fused_lora_shrink(x, owner.staged.blocks_a(target), self.kernel_meta)
         if op.kind == "lora_a":
             lora_a = owner.lora_weights(layer, target)[0]
             s = mm_fp32(x, lora_a.T) if self.wide_lora_gemms else x.float() @ lora_a.float().T
             return s if owner.staged is None else owner.staged.keep(s)
         if op.kind == "lora_b":
             _, lora_b, scaling, _, _ = owner.lora_weights(layer, target)
+            if owner.staged is not None and self.lora_kernels:
+                x = owner.staged.expand(x)  # the rank-r S of the kernels' routing
             if owner.staged is not None:  # a scale per column
                 return ((x.float() * scaling) @ lora_b.float().T).to(self.dtype)
             return ((x.float() @ lora_b.float().T) * scaling).to(self.dtype)

@@ -18,6 +18,12 @@ that job's windows run alone (in another summation order), and every row's dX is
 adapter's. The LoRA products are `width` times wider (rank-16 blocks of 8 jobs: 128 columns,
 by the FLOP count ~10% of an 8B layer's frozen dX FLOPs on all projections).
 
+Where the fused LoRA kernels run (`SequenceBackward.lora_kernel_paths`), the LoRA math skips
+the rank-wide products: each job's rows are one segment of the kernels' routing
+(`kernel_meta`: segment j is block j's rows, so `load` wants each job's rows contiguous), S and
+dS stay rank r, and kernels 1 and 3-5 read and add to each row's own block only, as with many
+adapters in one batch (MuxTune's batched backward with LoRAFusion's multi-adapter kernels).
+
 Isolation: a job whose values went non-finite must not spread them through the weight-gradient
 sums, which add over every job's rows (0 * nan is nan). Non-finite values can enter a window in
 four places, each checked as it enters (`admit`): the staged weights (taken with non-finite
@@ -33,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from flexserve.layers.lora_linear import LoRALinear
+from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
 
 
 class StagedLoRA:
@@ -67,6 +74,11 @@ class StagedLoRA:
         self._blocks = torch.arange(width, device=device)
         # NaN where a job's rows went non-finite, 0 elsewhere (per block)
         self.poison = torch.zeros(width, device=device)
+        # The fused LoRA kernels' routing: (first row, rows, block) of each block's segment, each
+        # row's block as int32, and each block's scaling
+        self.segments = torch.zeros(3, width, dtype=torch.int32, device=device)
+        self.token_blocks = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+        self.block_scale = {t: torch.zeros(width, device=device) for t in shapes}
 
     # ------------------------------------------------------------------ inside the pieces
     def gather(self, modules: dict[str, LoRALinear]) -> None:
@@ -78,8 +90,8 @@ class StagedLoRA:
             torch.index_select(module.lora_a[:, :r], 0, self.slots, out=a.view(w, r, -1))
             b.view(b.shape[0], w, r).copy_(
                 module.lora_b[:, :, :r].index_select(0, self.slots).transpose(0, 1))
-            self.scale[target].copy_(module.scaling.index_select(0, self.slots)
-                                     .repeat_interleave(r))
+            torch.index_select(module.scaling, 0, self.slots, out=self.block_scale[target])
+            self.scale[target].copy_(self.block_scale[target].repeat_interleave(r))
             torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0, out=a)
             torch.nan_to_num(b, nan=0.0, posinf=0.0, neginf=0.0, out=b)
         self.poison.zero_()
@@ -92,6 +104,28 @@ class StagedLoRA:
         """A stored rank-r shrink [rows, r] as the rank-wide one: each row's values in its
         job's block."""
         return self.keep(s.repeat(1, self.width))
+
+    def own_block(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` [rows, width * r] as each row's own block [rows, r] (the others dropped exactly)."""
+        return self.keep(t).view(t.shape[0], self.width, self.rank).sum(dim=1)
+
+    def blocks_a(self, target: str) -> torch.Tensor:
+        """The staged A's as the kernels' slots: [width, r, in]."""
+        return self.a[target].view(self.width, self.rank, -1)
+
+    def blocks_b(self, target: str) -> torch.Tensor:
+        """The staged B's as the kernels' slots: [width, out, r] (a view of B_cat)."""
+        b = self.b[target]
+        return b.view(b.shape[0], self.width, self.rank).transpose(0, 1)
+
+    def kernel_meta(self, rows: int) -> LoRAKernelMeta:
+        """The fused LoRA kernels' routing of a window of `rows` (padded) rows: segment j is block
+        j's rows (none for a spare block), rows of no block in none. Its tensors are the ones
+        `load` rewrites, so a captured graph routes every window it replays; the kernels' grids
+        take `rows` as the longest segment."""
+        return LoRAKernelMeta(token_slots=self.token_blocks[:rows], seg_starts=self.segments[0],
+                              seg_lens=self.segments[1], seg_slots=self.segments[2], num_tokens=rows,
+                              max_seg_len=rows, decode_only=False, slots=None)
 
     def add_grad_b(self, target: str, grad: torch.Tensor) -> None:
         """Add dB [out, width * r] into the per-job blocks."""
@@ -125,15 +159,23 @@ class StagedLoRA:
     # ----------------------------------------------------------------- around the pieces
     def load(self, slots: list[int], blocks: list[tuple[int, int]], bucket: int) -> None:
         """The jobs' LoRA `slots` (block i: slots[i]; spare blocks repeat the first) and the
-        window's rows by job: (block, number of rows) in row order, padded to `bucket` rows
-        (padding rows belong to no block)."""
-        self.slots.copy_(torch.tensor(slots + slots[:1] * (self.width - len(slots))))
+        window's rows by job: (block, number of rows) in row order, each block's rows
+        contiguous, padded to `bucket` rows (padding rows belong to no block)."""
         row_block = torch.full((bucket,), -1, dtype=torch.long)
+        starts, lens = [0] * self.width, [0] * self.width
         offset = 0
         for block, n in blocks:
+            if lens[block] and starts[block] + lens[block] != offset:
+                raise ValueError(f"the rows of block {block} are not contiguous")
+            if not lens[block]:
+                starts[block] = offset
+            lens[block] += n
             row_block[offset:offset + n] = block
             offset += n
+        self.slots.copy_(torch.tensor(slots + slots[:1] * (self.width - len(slots))))
         self.row_block[:bucket].copy_(row_block)
+        self.segments.copy_(torch.tensor([starts, lens, list(range(self.width))], dtype=torch.int32))
+        self.token_blocks[:bucket].copy_(self.row_block[:bucket])
         torch.eq(self.row_block[:bucket, None], self._block_of_col, out=self.mask[:bucket])
 
     def unstage(self, grads: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
