@@ -467,7 +467,7 @@ class SequenceBackward:
             _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
             grad, s = grad.float(), win.act(name)
             if self.staged is not None and win.lora_kernels:
-                s = self.staged.expand(s)  # the rank-r S of the kernels' routing
+                s = self.staged.expand(s)  # S is rank r on the kernels' routing: into its block
             product = (grad.T @ s.float()) * scaling
             if self.staged is None:
                 grad_b.add_(product)
@@ -622,8 +622,8 @@ class _Window:
                  arena: ActivationArena | None = None) -> None:
         self.owner, self.layer, self.start, self.end = owner, layer, start, end
         self.rows, self.arena = rows, arena
-        # Windows this wide run the LoRA products as 16-bit GEMMs with fp32 outputs (see the
-        # module docstring); narrower ones widen their operands, which was measured faster there.
+        # The torch path's LoRA products: 16-bit GEMMs with fp32 outputs in windows this wide,
+        # widened operands below (WIDE_LORA_GEMM_ROWS); the fused kernels where they run.
         self.wide_lora_gemms = end - start >= WIDE_LORA_GEMM_ROWS
         self.lora_kernels, self.ds_db_max_out = owner.lora_kernel_paths(end - start)
         # staged adapters on the kernels: their routing of this window's rows
@@ -734,7 +734,7 @@ class _Window:
         if op.kind == "lora_b":
             _, lora_b, scaling, _, _ = owner.lora_weights(layer, target)
             if owner.staged is not None and self.lora_kernels:
-                x = owner.staged.expand(x)  # the rank-r S of the kernels' routing
+                x = owner.staged.expand(x)  # S is rank r on the kernels' routing: into its block
             if owner.staged is not None:  # a scale per column
                 return ((x.float() * scaling) @ lora_b.float().T).to(self.dtype)
             return ((x.float() @ lora_b.float().T) * scaling).to(self.dtype)
