@@ -25,6 +25,7 @@ import datetime
 import functools
 import importlib.metadata
 import json
+import os
 import re
 import shlex
 import statistics
@@ -220,6 +221,18 @@ def _nvidia_smi_name() -> str | None:
         return None
     names = out.stdout.strip().splitlines()
     return names[0].strip() if out.returncode == 0 and names else None
+
+
+def kernel_target(smoke: bool):
+    """(device, dtype, device name for the records) of a kernel benchmark: CUDA in bf16, or for
+    `--smoke` the CPU in fp32 under Triton's interpreter (TRITON_INTERPRET set here, so call this
+    before triton is imported; fp32, since the interpreter computes bf16 tl.dot wrongly)."""
+    import torch
+
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return torch.device("cpu"), torch.float32, "cpu-interpreter"
+    return torch.device("cuda"), torch.bfloat16, gpu_name()
 
 
 def gpu_name() -> str:

@@ -37,9 +37,12 @@ def test_staged_rows_keep_their_own_block():
     assert not kept[5:].any()
     assert torch.equal(st.expand(torch.ones(rows, rank))[:rows].sum(dim=1),
                        torch.full((rows,), 2.0))
-    # the fused LoRA kernels' routing: block j's rows are segment j, S and dS rank r
-    assert st.segments.tolist() == [[2, 0, 0, 0], [3, 2, 0, 0], [0, 1, 2, 3]]
+    # the fused LoRA kernels' routing: each job's rows one segment in row order (spare ones past
+    # every row, so token_segments' binary search over the starts holds), S and dS rank r
+    assert st.segments.tolist() == [[0, 2, 8, 8], [2, 3, 0, 0], [1, 0, 0, 0]]
     assert st.token_blocks.tolist() == [1, 1, 0, 0, 0, -1, -1, -1]
+    from flexserve_kernels.lora.train.fused import token_segments
+    assert token_segments(st.kernel_meta(8)).tolist() == [0, 0, 1, 1, 1, -1, -1, -1]
     assert torch.equal(st.own_block(wide)[:rows], torch.stack([wide[0, 2:4], wide[1, 2:4], wide[2, :2],
                                                                wide[3, :2], wide[4, :2]]))
     assert not st.own_block(wide)[rows:].any()

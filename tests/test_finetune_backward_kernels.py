@@ -381,17 +381,18 @@ def test_kernels_compile_for_hopper_without_spills():
 def test_lora_kernel_paths_follow_the_configs(monkeypatch):
     # Which LoRA ops of a window run on the fused kernels: with dropout LoRA A's op always; without,
     # LoRA A's and kernel 3's (for outputs up to its size) within the configs' window sizes; staged
-    # adapters of several jobs LoRA A's always (their torch products would be rank-wide), up to the
-    # one pass's largest rank; never on the torch dispatch or in an fp16 model.
+    # adapters of several jobs LoRA A's always (their torch products would be rank-wide); never on
+    # the torch dispatch or for an adapter the kernels do not take (fp16 model, rank past their tiles).
     from types import SimpleNamespace
 
+    from flexserve_kernels.lora.serve.ops import MAX_WINDOW_RANK
     from flexserve_kernels.lora.train.configs import train_configs
 
     limits = train_configs("cpu")["engine_lora_backward"]
     paths = layer_backward.SequenceBackward.lora_kernel_paths
 
-    def owner(dropout=0.0, kernel_dtype=True, staged=None):
-        return SimpleNamespace(_lora_kernel_dtype=kernel_dtype, staged=staged, _kernel_limits=None,
+    def owner(dropout=0.0, fit=True, staged=None):
+        return SimpleNamespace(_lora_kernels_fit=fit, staged=staged, _kernel_limits=None,
                                residual_grad=torch.zeros(1), store=SimpleNamespace(lora_dropout=dropout))
 
     monkeypatch.setattr(layer_backward, "use_triton", lambda device: True)
@@ -400,12 +401,14 @@ def test_lora_kernel_paths_follow_the_configs(monkeypatch):
     assert paths(owner(), b_max + 1)[1] == 0 and paths(owner(), b_max)[1] == limits["ds_db_max_out"]
     assert paths(owner(), a_max)[0] and not paths(owner(), a_max + 1)[0]
     assert paths(owner(dropout=0.1), a_max + 1)[0]
-    assert paths(owner(kernel_dtype=False), small) == (False, 0)
-    assert paths(owner(staged=SimpleNamespace(rank=16)), a_max + 1) == (True, 0)
-    assert paths(owner(staged=SimpleNamespace(rank=16)), small) == (True, limits["ds_db_max_out"])
-    assert paths(owner(staged=SimpleNamespace(rank=128)), small) == (False, 0)
+    assert paths(owner(fit=False), small) == (False, 0)
+    assert paths(owner(staged=object()), a_max + 1) == (True, 0)
+    assert paths(owner(staged=object()), small) == (True, limits["ds_db_max_out"])
     monkeypatch.setattr(layer_backward, "use_triton", lambda device: False)
     assert paths(owner(dropout=0.1), small) == (False, 0)
+    fit = layer_backward.lora_kernels_fit
+    assert fit(torch.bfloat16, 16) and fit(torch.float32, MAX_WINDOW_RANK)
+    assert not fit(torch.float16, 16) and not fit(torch.bfloat16, MAX_WINDOW_RANK + 1)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernels on the CPU under the interpreter")
@@ -435,7 +438,7 @@ def test_staged_jobs_on_the_lora_kernels_train_what_they_train_alone(remat, tiny
 
     counting("fused_lora_a_backward", backward_ops.fused_lora_a_backward, "a")
     counting("fused_lora_b_backward", backward_ops.fused_lora_b_backward, "b")
-    counting("fused_lora_shrink", backward_ops.fused_lora_shrink, "s")
+    counting("lora_shrink_fused", layer_backward.lora_shrink_fused, "s")
     model_dir, _, examples, _, hp = _setup(tiny_config, tiny_checkpoint, tmp_path)
     data = _short(examples)
     jobs = _jobs(tmp_path, model_dir, hp, 3)

@@ -26,7 +26,6 @@ the configs' `engine_lora_backward` (which path runs LoRA A's op at which window
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -51,21 +50,11 @@ def parse_args() -> argparse.Namespace:
     harness.add_timing_arguments(p, warmup=3, iters=50)
     harness.add_out_argument(p)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
-    args = p.parse_args()
-    if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return args
+    return p.parse_args()
 
 
 def rel_error(got, ref) -> float:
     return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def model_dtype(args):
-    """bf16; fp32 in the smoke run (Triton 3.9's interpreter computes bf16 tl.dot wrong)."""
-    import torch
-
-    return torch.float32 if args.smoke else torch.bfloat16
 
 
 def timed_ms(fn, args) -> float | None:
@@ -77,7 +66,7 @@ def timed_ms(fn, args) -> float | None:
     return harness.mean_ms(graph.replay, iters=args.iters, warmup=2)
 
 
-def lora_a_case(n: int, in_size: int, out_size: int, args, device) -> list[dict]:
+def lora_a_case(n: int, in_size: int, out_size: int, args, device, dtype) -> list[dict]:
     import torch
 
     from flexserve.worker.finetune.backward_ops import (
@@ -87,13 +76,13 @@ def lora_a_case(n: int, in_size: int, out_size: int, args, device) -> list[dict]
         split_bf16,
     )
 
-    bf16, r = model_dtype(args), args.rank
+    r = args.rank
     g = torch.Generator(device=device).manual_seed(n * 7 + in_size)
-    act = torch.randn(n, in_size, device=device, dtype=bf16, generator=g)  # x, the target's input
-    lora_a = (torch.randn(r, in_size, device=device, generator=g) / in_size ** 0.5).to(bf16)
-    weight = (torch.randn(out_size, in_size, device=device, generator=g) / in_size ** 0.5).to(bf16)
+    act = torch.randn(n, in_size, device=device, dtype=dtype, generator=g)  # x, the target's input
+    lora_a = (torch.randn(r, in_size, device=device, generator=g) / in_size ** 0.5).to(dtype)
+    weight = (torch.randn(out_size, in_size, device=device, generator=g) / in_size ** 0.5).to(dtype)
     d_s = torch.randn(n, r, device=device, generator=g)  # dL/dS, fp32
-    d_y = torch.randn(n, out_size, device=device, generator=g).to(bf16)
+    d_y = torch.randn(n, out_size, device=device, generator=g).to(dtype)
     grad_a = torch.zeros(r, in_size, device=device)
     ref_da = d_s.double().T @ act.double()
     ref_dx = d_s.double() @ lora_a.double() + d_y.double() @ weight.double()
@@ -127,18 +116,18 @@ def lora_a_case(n: int, in_size: int, out_size: int, args, device) -> list[dict]
     return rows
 
 
-def lora_b_case(n: int, out_size: int, args, device) -> list[dict]:
+def lora_b_case(n: int, out_size: int, args, device, dtype) -> list[dict]:
     import torch
 
     from flexserve_kernels.lora.serve.meta import LoRAKernelMeta
     from flexserve_kernels.lora.train.fused import LoRATrainSlots
     from flexserve_kernels.lora.train.fused_bwd import lora_train_ds_db_bwd
 
-    bf16, r, scaling = model_dtype(args), args.rank, 2.0
+    r, scaling = args.rank, 2.0
     g = torch.Generator(device=device).manual_seed(n * 11 + out_size)
     d_y = torch.randn(n, out_size, device=device, generator=g)  # dL/dY, fp32
     s = torch.randn(n, r, device=device, generator=g)  # S = x A^T, fp32
-    lora_b = (torch.randn(out_size, r, device=device, generator=g) / r).to(bf16)
+    lora_b = (torch.randn(out_size, r, device=device, generator=g) / r).to(dtype)
     grad_b = torch.zeros(out_size, r, device=device)
     meta = LoRAKernelMeta.build([n], [0], device)
     slots = LoRATrainSlots.build([scaling], [0.0], device)
@@ -164,17 +153,15 @@ def lora_b_case(n: int, out_size: int, args, device) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
-    import torch
-
-    device = torch.device("cpu" if args.smoke else "cuda")
+    device, dtype, gpu = harness.kernel_target(args.smoke)  # before triton is imported
     targets = SMOKE_TARGETS if args.smoke else {t: TARGETS[t] for t in args.targets}
     rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
     writer = harness.JsonlWriter(args.out, __file__, echo=tqdm.write)
-    gpu = "cpu-interpreter" if args.smoke else harness.gpu_name()
     cases = [(t, n) for t in targets for n in rows]
     for target, n in tqdm(cases, desc="target x rows"):
         in_size, out_size = targets[target]
-        for row in lora_a_case(n, in_size, out_size, args, device) + lora_b_case(n, out_size, args, device):
+        rows_ab = lora_a_case(n, in_size, out_size, args, device, dtype) + lora_b_case(n, out_size, args, device, dtype)
+        for row in rows_ab:
             writer.write(dict(target=target, rows=n, rank=args.rank, in_size=in_size, out_size=out_size,
                               gpu=gpu, **row))
 

@@ -28,7 +28,6 @@ max |y|), so a wrong kernel shows in the JSON.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -188,15 +187,11 @@ def bench_case(group: str, in_size: int, sizes: tuple[int, ...], tokens: int, ad
 
 def main() -> None:
     args = parse_args()
+    device, dtype, device_name = harness.kernel_target(args.smoke)  # before triton is imported
     if args.smoke:
-        # Before triton is imported: the kernels are decorated for the interpreter.
-        os.environ["TRITON_INTERPRET"] = "1"
         args.warmup, args.iters = 0, 1
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     groups = SMOKE_GROUPS if args.smoke else GROUPS
     tokens = SMOKE_TOKENS if args.smoke else (args.tokens or TOKENS)
-    device_name = "cpu-interpreter" if args.smoke else harness.gpu_name()
     todo = [(grp, t, a) for grp in args.groups for a in args.adapters for t in tokens]
     writer = harness.JsonlWriter(args.out, __file__, echo=tqdm.write)
     for grp, t, a in tqdm(todo, desc="lora engine forward"):

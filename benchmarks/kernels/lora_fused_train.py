@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
 from pathlib import Path
 
@@ -231,14 +230,10 @@ def bench_case(m: int, size: int, num_adapters: int, args, device, dtype) -> lis
 
 def main() -> None:
     args = parse_args()
+    device, dtype, device_name = harness.kernel_target(args.smoke)  # before triton is imported
     if args.smoke:
-        # Before triton is imported: the kernels are decorated for the interpreter.
-        os.environ["TRITON_INTERPRET"] = "1"
         args.warmup, args.iters = 0, 1
-    device = torch.device("cpu" if args.smoke else "cuda")
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     sizes, tokens = (SMOKE_SIZES, SMOKE_TOKENS) if args.smoke else (args.sizes or SIZES, args.tokens or TOKENS)
-    device_name = "cpu-interpreter" if args.smoke else harness.gpu_name()
     adapter_cases = [0, args.multi_adapters] if args.multi_adapters else [0]
     todo = [(m, s, a) for a in adapter_cases for s in sizes for m in tokens]
     writer = harness.JsonlWriter(args.out, __file__, echo=tqdm.write)

@@ -83,24 +83,13 @@ def _window_meta(num_tokens: int, device: torch.device) -> Any:
     return LoRAKernelMeta.build([num_tokens], [0], device)  # one adapter, "slot" 0 of the views
 
 
-@functools.lru_cache(maxsize=16)
-def _scalar(value: float, device: torch.device) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.float32).to(device)
-
-
-def _train_slots(p: float, device: torch.device) -> Any:
-    """One slot with dropout p and scaling 1 (kernels 4 and 5 do not scale)."""
+@functools.lru_cache(maxsize=32)
+def _train_slots(p: float, device: torch.device, count: int = 1) -> Any:
+    """`count` slots with dropout p and scaling 1 (kernels 4 and 5 do not scale; kernel 3 takes
+    the adapters' scalings with these slots' dropout_ps)."""
     from flexserve_kernels.lora.train.fused import LoRATrainSlots
 
-    return LoRATrainSlots(_scalar(1.0, device), _scalar(p, device), p > 0)
-
-
-@functools.lru_cache(maxsize=16)
-def _plain_slots(count: int, device: torch.device) -> Any:
-    """`count` slots without dropout and scaling 1 (for kernels 1, 4 and 5, which do not scale)."""
-    from flexserve_kernels.lora.train.fused import LoRATrainSlots
-
-    return LoRATrainSlots(torch.ones(count, device=device), torch.zeros(count, device=device), False)
+    return LoRATrainSlots(torch.ones(count, device=device), torch.full((count,), p, device=device), p > 0)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +119,7 @@ def fused_lora_a_backward(grad_s: torch.Tensor, x: torch.Tensor, lora_a: torch.T
     elif p > 0:
         raise ValueError("several adapters' rows take no dropout here")
     else:
-        slots = da_slots = _plain_slots(lora_a.shape[0], device)
+        slots = da_slots = _train_slots(0.0, device, lora_a.shape[0])
     if not want_dx:
         lora_train_da_bwd(_rows(x), grad_s, lora_a, meta, da_slots, seed, split_ds=True, da_out=grad_a)
         return None
@@ -154,17 +143,9 @@ def fused_lora_b_backward(grad_y: torch.Tensor, s: torch.Tensor, lora_b: torch.T
     device = grad_y.device
     if meta is None:
         meta, lora_b, grad_b = _window_meta(grad_y.shape[0], device), lora_b[None], grad_b[None]
-    slots = LoRATrainSlots(scaling, _plain_slots(lora_b.shape[0], device).dropout_ps, False)
+    slots = LoRATrainSlots(scaling, _train_slots(0.0, device, lora_b.shape[0]).dropout_ps, False)
     ds, _ = lora_train_ds_db_bwd(_rows(grad_y), lora_b.float(), _rows(s), meta, slots, db_out=grad_b)
     return ds
-
-
-def fused_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: Any) -> torch.Tensor:
-    """S [n, r] fp32 = x A[slot]^T per row as fused LoRA kernel 1 over several adapters' segments
-    (`meta`, lora_a [slots, r, in]; no dropout), zero rows outside every segment."""
-    from flexserve_kernels.lora.train.fused import lora_train_shrink_fwd
-
-    return lora_train_shrink_fwd(_rows(x), lora_a, meta, None, 0, out_dtype=torch.float32)
 
 
 def fused_lora_dropout_shrink(x: torch.Tensor, lora_a: torch.Tensor, p: float, seed: int) -> torch.Tensor:

@@ -70,7 +70,6 @@ from flexserve.worker.finetune.backward_ops import (
     fused_lora_a_backward,
     fused_lora_b_backward,
     fused_lora_dropout_shrink,
-    fused_lora_shrink,
     fused_rope_backward,
     fused_silu_mul_backward,
     mm_fp32,
@@ -83,6 +82,7 @@ from flexserve.worker.finetune.backward_ops import (
 )
 from flexserve.worker.finetune.staged_lora import StagedLoRA
 from flexserve_kernels.dispatch import use_triton
+from flexserve_kernels.lora.serve.ops import MAX_WINDOW_RANK, lora_shrink_fused
 from flexserve_kernels.lora.train.configs import train_configs
 
 # Windows of at least this many rows run the torch path's LoRA products as 16-bit GEMMs with fp32
@@ -94,10 +94,16 @@ from flexserve_kernels.lora.train.configs import train_configs
 WIDE_LORA_GEMM_ROWS = 1024
 
 
-# Model dtypes in which the backward of an adapter with dropout runs its LoRA A op as the fused
-# LoRA kernels where `use_triton` (fp16's narrow exponent range cannot hold dS's two-halves split:
-# fp16 models keep the torch path).
+# Model dtypes in which the backward runs LoRA ops as the fused LoRA kernels where `use_triton`
+# (fp16's narrow exponent range cannot hold dS's two-halves split: fp16 models keep the torch path).
 LORA_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def lora_kernels_fit(dtype: torch.dtype, rank: int) -> bool:
+    """Whether the backward's fused LoRA kernels take an adapter of `rank` in a model of `dtype`:
+    a dtype of LORA_KERNEL_DTYPES and a rank their tiles serve (MAX_WINDOW_RANK, kernel 1's
+    widest accumulator and the configs' largest rank)."""
+    return dtype in LORA_KERNEL_DTYPES and rank <= MAX_WINDOW_RANK
 
 
 # The outputs of row-parallel projections: under tensor parallelism a rank computes a partial
@@ -238,7 +244,6 @@ class SequenceBackward:
         # The fused LoRA kernels (bf16 or fp32 models where `use_triton`; `_Window.lora_kernels`):
         # target -> the input of its dropout op, which they read and give the bypass's dX to (the
         # frozen linear's input, whose dX GEMM then adds it, as above).
-        self._lora_kernel_dtype = store.dtype in LORA_KERNEL_DTYPES
         self._dropout_input = {op.name.split(".")[0]: op.inputs[0] for op in self.graph.ops
                                if op.kind == "dropout"}
         fused_adds = {  # (with dropout, no LoRA A reads a linear's own input)
@@ -264,6 +269,7 @@ class SequenceBackward:
                                          f"{lora_grad_name(layer, target, half)}")
                     pair.append(grad)
                 self._lora[(layer, target)] = (module, rank, pair[0], pair[1])
+        self._lora_kernels_fit = lora_kernels_fit(store.dtype, max((v[1] for v in self._lora.values()), default=0))
         # The rank-r shrinks of the adapters (LoRA A's outputs)
         self._shrinks = {op.outputs[0] for op in self.graph.ops if op.kind == "lora_a"}
         # Set on a template of several jobs' windows (`BackwardGraphs`): the LoRA math reads
@@ -375,24 +381,18 @@ class SequenceBackward:
     def lora_kernel_paths(self, rows: int) -> tuple[bool, int]:
         """Which LoRA ops of a window of `rows` rows run on fused LoRA kernels: (LoRA A's op as
         kernels 4's term and 5, `fused_lora_a_backward`; the largest output size whose LoRA B op
-        runs as kernel 3, `lora_train_ds_db_bwd`, 0 for none). Where `use_triton`, in a bf16 or
-        fp32 model: LoRA A's op of an adapter with dropout in every window (the mask is
-        regenerated in registers), otherwise both in the window and output sizes of the configs'
-        `engine_lora_backward`, where they were measured faster than the torch GEMMs
-        (docs/benchmarks.md). Staged adapters of several jobs (up to rank MAX_TERM_DA_RANK) run
-        their LoRA on the kernels in every window (the first value; S and dS stay rank r, each
-        row routed to its job's block), where the torch products would be `width` times wider;
-        kernel 3 by the same limits."""
-        if not self._lora_kernel_dtype or not use_triton(self.residual_grad.device):
+        runs as kernel 3, `lora_train_ds_db_bwd`, 0 for none). Where `use_triton` and the kernels
+        take the adapter (`lora_kernels_fit`): LoRA A's op of an adapter with dropout in every
+        window (the mask is regenerated in registers), otherwise both in the window and output
+        sizes of the configs' `engine_lora_backward`, where they were measured faster than the
+        torch GEMMs (docs/benchmarks.md). Staged adapters of several jobs run LoRA A's op on the
+        kernels in every window (S and dS stay rank r, each row routed to its job's block, where
+        the torch products would be `width` times wider); kernel 3 by the same limits."""
+        if not self._lora_kernels_fit or not use_triton(self.residual_grad.device):
             return False, 0
         if self._kernel_limits is None:
-            from flexserve_kernels.lora.train.fused_bwd import MAX_TERM_DA_RANK
-
-            self._max_staged_rank = MAX_TERM_DA_RANK
             self._kernel_limits = train_configs(self.residual_grad.device)["engine_lora_backward"]
         limits = self._kernel_limits
-        if self.staged is not None and self.staged.rank > self._max_staged_rank:
-            return False, 0
         lora_a = self.store.lora_dropout > 0 or self.staged is not None or rows <= limits["lora_a_max_rows"]
         return lora_a, limits["ds_db_max_out"] if rows <= limits["ds_db_max_rows"] else 0
 
@@ -461,7 +461,8 @@ class SequenceBackward:
                 give(name, dx.float())
         elif kind == "lora_a" and win.lora_kernels:
             self._lora_a_fused(win, op, grad, grads)
-        elif kind == "lora_b" and self.linear(win.layer, op.name.split(".")[0]).out_features <= win.ds_db_max_out:
+        elif (kind == "lora_b" and win.ds_db_max_out
+              and self.linear(win.layer, op.name.split(".")[0]).out_features <= win.ds_db_max_out):
             self._lora_b_fused(win, op, grad, grads)
         elif kind == "lora_b":
             _, lora_b, scaling, _, grad_b = self.lora_weights(win.layer, op.name.split(".")[0])
@@ -726,7 +727,7 @@ class _Window:
                 return keep
             return apply_lora_dropout(x, keep, store.lora_dropout)
         if op.kind == "lora_a" and owner.staged is not None and self.lora_kernels:
-            return fused_lora_shrink(x, owner.staged.blocks_a(target), self.kernel_meta)
+            return lora_shrink_fused(x, owner.staged.blocks_a(target), self.kernel_meta)
         if op.kind == "lora_a":
             lora_a = owner.lora_weights(layer, target)[0]
             s = mm_fp32(x, lora_a.T) if self.wide_lora_gemms else x.float() @ lora_a.float().T

@@ -20,7 +20,7 @@ by the FLOP count ~10% of an 8B layer's frozen dX FLOPs on all projections).
 
 Where the fused LoRA kernels run (`SequenceBackward.lora_kernel_paths`), the LoRA math skips
 the rank-wide products: each job's rows are one segment of the kernels' routing
-(`kernel_meta`: segment j is block j's rows, so `load` wants each job's rows contiguous), S and
+(`kernel_meta`: one segment per job, so `load` wants each job's rows contiguous), S and
 dS stay rank r, and kernels 1 and 3-5 read and add to each row's own block only, as with many
 adapters in one batch (MuxTune's batched backward with LoRAFusion's multi-adapter kernels).
 
@@ -74,8 +74,8 @@ class StagedLoRA:
         self._blocks = torch.arange(width, device=device)
         # NaN where a job's rows went non-finite, 0 elsewhere (per block)
         self.poison = torch.zeros(width, device=device)
-        # The fused LoRA kernels' routing: (first row, rows, block) of each block's segment, each
-        # row's block as int32, and each block's scaling
+        # The fused LoRA kernels' routing: (first row, rows, block) of each job's segment in row
+        # order, each row's block as int32, and each block's scaling
         self.segments = torch.zeros(3, width, dtype=torch.int32, device=device)
         self.token_blocks = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
         self.block_scale = {t: torch.zeros(width, device=device) for t in shapes}
@@ -119,8 +119,8 @@ class StagedLoRA:
         return b.view(b.shape[0], self.width, self.rank).transpose(0, 1)
 
     def kernel_meta(self, rows: int) -> LoRAKernelMeta:
-        """The fused LoRA kernels' routing of a window of `rows` (padded) rows: segment j is block
-        j's rows (none for a spare block), rows of no block in none. Its tensors are the ones
+        """The fused LoRA kernels' routing of a window of `rows` (padded) rows: one segment per job's
+        rows in row order (empty ones past them), rows of no block in none. Its tensors are the ones
         `load` rewrites, so a captured graph routes every window it replays; the kernels' grids
         take `rows` as the longest segment."""
         return LoRAKernelMeta(token_slots=self.token_blocks[:rows], seg_starts=self.segments[0],
@@ -162,19 +162,22 @@ class StagedLoRA:
         window's rows by job: (block, number of rows) in row order, each block's rows
         contiguous, padded to `bucket` rows (padding rows belong to no block)."""
         row_block = torch.full((bucket,), -1, dtype=torch.long)
-        starts, lens = [0] * self.width, [0] * self.width
+        runs: list[list[int]] = []  # [first row, rows, block] in row order
         offset = 0
         for block, n in blocks:
-            if lens[block] and starts[block] + lens[block] != offset:
+            if runs and runs[-1][2] == block:
+                runs[-1][1] += n
+            elif any(run[2] == block for run in runs):
                 raise ValueError(f"the rows of block {block} are not contiguous")
-            if not lens[block]:
-                starts[block] = offset
-            lens[block] += n
+            else:
+                runs.append([offset, n, block])
             row_block[offset:offset + n] = block
             offset += n
+        # spare segments: no rows, starting past every row (the starts stay sorted)
+        runs += [[bucket, 0, 0]] * (self.width - len(runs))
         self.slots.copy_(torch.tensor(slots + slots[:1] * (self.width - len(slots))))
         self.row_block[:bucket].copy_(row_block)
-        self.segments.copy_(torch.tensor([starts, lens, list(range(self.width))], dtype=torch.int32))
+        self.segments.copy_(torch.tensor(runs, dtype=torch.int32).T)
         self.token_blocks[:bucket].copy_(self.row_block[:bucket])
         torch.eq(self.row_block[:bucket, None], self._block_of_col, out=self.mask[:bucket])
 
